@@ -1,0 +1,11 @@
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
+from kiln.attention.layer import Attention
+from kiln.attention.torch_backend import TorchPagedAttentionBackend
+
+__all__ = [
+    "Attention",
+    "AttentionBackend",
+    "AttentionMetadata",
+    "GraphSupport",
+    "TorchPagedAttentionBackend",
+]

@@ -1,0 +1,52 @@
+"""The attention backend interface: metadata every backend reads, and the CUDA-graph support
+level each backend declares (the graph plan resolves from it)."""
+
+from __future__ import annotations
+
+import enum
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+class GraphSupport(enum.Enum):
+    """How much of a step a backend can run inside one captured CUDA graph."""
+
+    ALWAYS = "always"  # any batch, mixed prefill and decode included
+    UNIFORM_BATCH = "uniform_batch"  # batches where every request has the same query length
+    UNIFORM_SINGLE_TOKEN_DECODE = "uniform_single_token_decode"  # pure 1-token decode only
+    NEVER = "never"  # must run eagerly (a splitting op)
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout. Requests are ordered decodes first (query length 1), then
+    prefill chunks. Token rows past `num_actual_tokens` are padding: they write no KV slot."""
+
+    slot_mapping: torch.Tensor  # [T] int64, KV slot of each token (-1 for padding)
+    query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each request's tokens
+    seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
+    block_tables: torch.Tensor  # [B, max_blocks] int32
+    num_actual_tokens: int
+    num_decodes: int
+    max_seq_len: int
+
+
+class AttentionBackend(ABC):
+    name: str
+    graph_support: GraphSupport
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        """q: [T, H, D], k/v: [T, Hkv, D], caches: [num_blocks, block_size, Hkv, D].
+        Writes k/v into the cache at meta.slot_mapping, returns [T, H * D]."""

@@ -1,0 +1,280 @@
+"""The engine: requests in, one scheduled batch per step, outputs out."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.attention import TorchPagedAttentionBackend
+from kiln.block_manager import BlockManager
+from kiln.config import EngineConfig
+from kiln.detokenizer import IncrementalDetokenizer
+from kiln.errors import ConfigError, InvalidRequestError
+from kiln.loader import open_model
+from kiln.memory import num_kv_blocks
+from kiln.model_runner import ModelRunner, kv_bytes_per_block
+from kiln.models import build_model
+from kiln.models.weights import load_weights
+from kiln.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput, TokenLogprob
+from kiln.sampler import SamplingBatch, sample
+from kiln.sampling_params import SamplingParams
+from kiln.scheduler import Scheduler
+from kiln.sequence import Sequence, SequenceCounter
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_steps: int
+    step_tokens: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolve_device()
+        self.dtype = config.torch_dtype
+        t0 = time.monotonic()
+        self.source = open_model(config.model)
+        self.model_config = self.source.config
+        self.tokenizer = self.source.load_tokenizer()
+        self.model = self._load_model()
+        self.max_model_len = self._resolve_max_model_len()
+        self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
+        num_blocks = self._size_kv_cache()
+        self.runner.allocate_kv_cache(num_blocks, self.dtype)
+        self.blocks = BlockManager(num_blocks, config.cache.block_size,
+                                   config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.requests: dict[str, Request] = {}
+        self.seq_ids = SequenceCounter()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)
+        self.num_steps = 0
+        logger.info("engine ready in %.1f s: %s, %d KV blocks of %d tokens", time.monotonic() - t0,
+                    self.model_config.architecture, num_blocks, config.cache.block_size)
+
+    def _load_model(self) -> torch.nn.Module:
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(self.model_config, TorchPagedAttentionBackend())
+        finally:
+            torch.set_default_dtype(default_dtype)
+        load_weights(model, self.source.tensors(self.dtype))
+        return model.eval()
+
+    def _resolve_max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        asked = self.config.scheduler.max_model_len
+        if asked is not None and asked > limit:
+            raise ConfigError(
+                f"max_model_len {asked} exceeds the model's context length {limit}; "
+                f"pass --max-model-len {limit} or less"
+            )
+        return asked or limit
+
+    def _size_kv_cache(self) -> int:
+        bs = self.config.cache.block_size
+        per_block = kv_bytes_per_block(self.model, bs, self.dtype)
+        useful = -(-self.max_model_len // bs) * self.config.scheduler.max_num_seqs + 1
+        blocks = num_kv_blocks(self.config.cache, per_block, self.device, useful)
+        if blocks * bs < self.max_model_len:
+            raise ConfigError(
+                f"the KV cache holds {blocks * bs} tokens ({blocks} blocks of {per_block} bytes), "
+                f"fewer than max_model_len={self.max_model_len}: raise --kv-cache-memory "
+                f"(to at least {-(-self.max_model_len // bs) * per_block} bytes) or lower "
+                "--max-model-len"
+            )
+        return blocks
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        self._validate(ids, params)
+        metrics = RequestMetrics(arrival_time or time.monotonic())
+        seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, metrics)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if not ids:
+            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
+        if any(not 0 <= t < vocab for t in ids):
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise InvalidRequestError(
+                f"the prompt has {len(ids)} tokens but max_model_len is {limit}: it must be "
+                f"shorter by at least one token", "prompt")
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise InvalidRequestError(
+                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
+                f"max_model_len ({limit})", "max_tokens")
+        params.validate_for_vocab(vocab)
+
+    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
+                      metrics: RequestMetrics) -> Sequence:
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(self.device).manual_seed(params.seed + index)
+        detok = IncrementalDetokenizer(self.tokenizer.backend, params.stop,
+                                       params.skip_special_tokens, params.include_stop_str_in_output)
+        seq_metrics = metrics if index == 0 else RequestMetrics(metrics.arrival_time)
+        return Sequence(self.seq_ids.next(), request_id, index, list(ids), len(ids), params, detok,
+                        seq_metrics, generator)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        logits, sampling_seqs = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.register_computed_blocks(seq)
+        self.num_steps += 1
+        if sampling_seqs:
+            self._append_samples(logits, sampling_seqs)
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in sampling_seqs):
+            request = self.requests[request_id]
+            outputs.append(self._output(request))
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _append_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        batch = SamplingBatch.build(seqs, self.model_config.vocab_size, self.device)
+        out = sample(logits, batch, self.tokenizer.eos_token_ids, self.generator)
+        now = time.monotonic()
+        for row, (seq, token) in enumerate(zip(seqs, out.token_ids)):
+            seq.token_ids.append(token)
+            if seq.metrics.first_token_time is None:
+                seq.metrics.first_token_time = now
+            seq.metrics.token_times.append(now)
+            if out.logprobs is not None and seq.params.logprobs is not None:
+                self._record_logprobs(seq, out.logprobs[row], token)
+            self._check_stop(seq, token)
+
+    def _record_logprobs(self, seq: Sequence, row: torch.Tensor, token: int) -> None:
+        decode = self.tokenizer.decode
+        top = []
+        if seq.params.logprobs:
+            values, ids = row.topk(seq.params.logprobs)
+            top = [TokenLogprob(i, decode([i], False), v) for i, v in zip(ids.tolist(), values.tolist())]
+        lp = float(row[token])
+        seq.logprobs.append(Logprobs(TokenLogprob(token, decode([token], False), lp), top))
+        seq.cumulative_logprob += lp
+
+    def _check_stop(self, seq: Sequence, token: int) -> None:
+        p = seq.params
+        past_min = seq.num_output_tokens >= p.min_tokens
+        stop_str = seq.detokenizer.add_token(token) if past_min or not p.stop else None
+        if past_min and not p.ignore_eos and token in self.tokenizer.eos_token_ids:
+            seq.finish_reason = "stop"
+        elif past_min and token in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+        elif stop_str is not None:
+            seq.finish_reason, seq.stop_reason = "stop", stop_str
+        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
+                seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+        if seq.finish_reason is not None:
+            seq.metrics.finished_time = time.monotonic()
+            self.scheduler.finish(seq)
+
+    def _output(self, request: Request) -> RequestOutput:
+        completions = []
+        for seq in request.seqs:
+            delta = seq.detokenizer.take_delta(final=seq.finished)
+            new_ids = seq.output_token_ids[seq.num_reported_tokens :]
+            seq.num_reported_tokens += len(new_ids)
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.detokenizer.text[: seq.detokenizer.emitted],
+                token_ids=seq.output_token_ids,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
+                delta_text=delta,
+                delta_token_ids=new_ids,
+                metrics=seq.metrics,
+            ))
+        cached = request.seqs[0].num_cached_tokens or 0
+        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
+                             completions, request.finished, cached, request.metrics)
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=b.num_free_blocks,
+            num_blocks=b.num_blocks,
+            kv_cache_usage=b.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=b.stats.queried_tokens,
+            prefix_cache_hit_tokens=b.stats.hit_tokens,
+            num_steps=self.num_steps,
+        )

@@ -1,0 +1,132 @@
+"""GGUF files: metadata -> ModelConfig, tensors dequantized to the compute dtype with the
+`gguf` package, tokenizer and chat template from the file's metadata (via transformers)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import gguf
+import numpy as np
+import torch
+
+from kiln.errors import ModelLoadError
+from kiln.loader.source import ModelSource
+from kiln.models.config import ModelConfig
+from kiln.tokenizer import Tokenizer
+
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                      "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+
+_LAYER_NAMES = {
+    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
+                 "output": "lm_head"}
+
+
+def hf_tensor_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m and m.group(2) in _LAYER_NAMES:
+        return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    base, _, leaf = gguf_name.rpartition(".")
+    return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
+
+
+def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """llama.cpp's converter interleaves q/k rows per head for its rotary layout; undo it so
+    the rotate-half RoPE of HF Llama applies."""
+    half = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+class GGUFSource(ModelSource):
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            self.reader = gguf.GGUFReader(path)
+        except Exception as exc:
+            raise ModelLoadError(f"{path!r} is not a readable GGUF file: {exc}") from None
+        self.arch = self._field("general.architecture")
+        if self.arch not in GGUF_ARCHITECTURES:
+            raise ModelLoadError(
+                f"GGUF architecture {self.arch!r} is not supported; kiln reads "
+                + ", ".join(GGUF_ARCHITECTURES)
+            )
+        self.config = self._model_config()
+
+    def _field(self, key: str, default: Any = None) -> Any:
+        field = self.reader.fields.get(key)
+        return default if field is None else field.contents()
+
+    def _model_config(self) -> ModelConfig:
+        a = self.arch
+        heads = self._field(f"{a}.attention.head_count")
+        hidden = self._field(f"{a}.embedding_length")
+        names = {t.name for t in self.reader.tensors}
+        vocab = self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
+        eos = self._field("tokenizer.ggml.eos_token_id")
+        return ModelConfig(
+            architecture=GGUF_ARCHITECTURES[a],
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=self._field(f"{a}.feed_forward_length"),
+            num_layers=self._field(f"{a}.block_count"),
+            num_heads=heads,
+            num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
+            head_dim=self._field(f"{a}.attention.key_length") or hidden // heads,
+            max_position_embeddings=self._field(f"{a}.context_length", 2048),
+            rms_norm_eps=self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
+            rope_theta=self._field(f"{a}.rope.freq_base", 10000.0),
+            rope_scaling=self._rope_scaling(),
+            tie_word_embeddings="output.weight" not in names,
+            attention_bias="blk.0.attn_q.bias" in names,
+            qk_norm="blk.0.attn_q_norm.weight" in names,
+            bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
+            eos_token_ids=() if eos is None else (eos,),
+        )
+
+    def _rope_scaling(self) -> dict[str, Any] | None:
+        kind = self._field(f"{self.arch}.rope.scaling.type")
+        if kind in (None, "none"):
+            return None
+        return {
+            "rope_type": kind,
+            "factor": self._field(f"{self.arch}.rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": self._field(
+                f"{self.arch}.rope.scaling.original_context_length"
+            ),
+        }
+
+    def _dequantize(self, t: gguf.ReaderTensor) -> np.ndarray:
+        kind = t.tensor_type.name
+        if kind not in SUPPORTED_TENSOR_TYPES:
+            raise ModelLoadError(
+                f"tensor {t.name!r} has GGUF type {kind}; kiln dequantizes "
+                + ", ".join(SUPPORTED_TENSOR_TYPES)
+            )
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        return data.reshape([int(d) for d in reversed(t.shape)])
+
+    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        cfg = self.config
+        for t in self.reader.tensors:
+            name = hf_tensor_name(t.name)
+            if name is None:
+                continue
+            data = self._dequantize(t)
+            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
+                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+                data = unpermute_qk(data, heads)
+            yield name, torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
+
+    def load_tokenizer(self) -> Tokenizer:
+        return Tokenizer.from_gguf(self.path, self.config.eos_token_ids)

@@ -1,0 +1,22 @@
+"""Model architectures. `build_model` maps an architecture name to its implementation."""
+
+from __future__ import annotations
+
+from kiln.attention import AttentionBackend
+from kiln.errors import ModelLoadError
+from kiln.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kiln.models.llama import CausalLM
+
+_MODEL_CLASSES = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
+
+
+def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalLM:
+    if cfg.architecture not in _MODEL_CLASSES:
+        raise ModelLoadError(
+            f"unsupported architecture {cfg.architecture!r}; kiln supports "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    return _MODEL_CLASSES[cfg.architecture](cfg, backend)
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "build_model"]

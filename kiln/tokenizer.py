@@ -1,0 +1,95 @@
+"""Tokenizers come from transformers (HF directories, or converted from GGUF metadata).
+A GGUF conversion takes seconds, so its result is cached as a tokenizer directory keyed by the
+file's path, size and modification time."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from kiln.errors import InvalidRequestError, ModelLoadError
+from kiln.paths import kiln_cache_dir
+
+logger = logging.getLogger(__name__)
+
+
+class Tokenizer:
+    def __init__(self, hf_tokenizer: Any, eos_token_ids: tuple[int, ...] = ()) -> None:
+        self.hf = hf_tokenizer
+        eos = set(eos_token_ids)
+        if hf_tokenizer.eos_token_id is not None:
+            eos.add(hf_tokenizer.eos_token_id)
+        self.eos_token_ids = frozenset(eos)
+        self.vocab_size = len(hf_tokenizer)
+
+    @classmethod
+    def from_directory(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"cannot load a tokenizer from {path!r}: {exc}") from None
+        return cls(hf, eos_token_ids)
+
+    @classmethod
+    def from_gguf(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
+        cached = _converted_tokenizer_dir(path)
+        if not os.path.isdir(cached):
+            _convert_gguf_tokenizer(path, cached)
+        return cls.from_directory(cached, eos_token_ids)
+
+    @property
+    def backend(self) -> Any:
+        """The `tokenizers.Tokenizer` underneath, for incremental decoding."""
+        return self.hf.backend_tokenizer
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(
+        self, messages: list[dict[str, Any]], add_generation_prompt: bool = True
+    ) -> str:
+        if not self.has_chat_template:
+            raise InvalidRequestError(
+                "this model has no chat template; send a plain prompt (or use --raw)", "messages"
+            )
+        return self.hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+        )
+
+
+def _converted_tokenizer_dir(path: str) -> str:
+    st = os.stat(path)
+    key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    return os.path.join(kiln_cache_dir(), "tokenizers", digest)
+
+
+def _convert_gguf_tokenizer(path: str, target: str) -> None:
+    from transformers import AutoTokenizer
+
+    logger.info("converting the GGUF tokenizer of %s (cached for later runs)", path)
+    try:
+        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
+                                           gguf_file=os.path.basename(path))
+    except Exception as exc:
+        raise ModelLoadError(f"cannot build a tokenizer from the GGUF metadata of {path!r}: {exc}") from None
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+    hf.save_pretrained(tmp)
+    try:
+        os.rename(tmp, target)  # atomic: a concurrent conversion either wins or finds it done
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
