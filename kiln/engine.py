@@ -69,9 +69,11 @@ class LLMEngine:
         self.source = open_model(config.model)
         self.model_config = self.source.config
         self.tokenizer = self.source.load_tokenizer()
+        self.attn_backend = TorchPagedAttentionBackend()
         self.model = self._load_model()
         self.max_model_len = self._resolve_max_model_len()
-        self.runner = ModelRunner(self.model, config.cache.block_size, self.device)
+        self.runner = ModelRunner(self.model, self.attn_backend, config.cache.block_size,
+                                  self.device)
         num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(num_blocks, self.dtype)
         self.blocks = BlockManager(num_blocks, config.cache.block_size,
@@ -89,10 +91,11 @@ class LLMEngine:
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = build_model(self.model_config, TorchPagedAttentionBackend())
+                model = build_model(self.model_config, self.attn_backend)
         finally:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.source.tensors(self.dtype))
+        model.finalize(self.device)
         return model.eval()
 
     def _resolve_max_model_len(self) -> int:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention import AttentionMetadata
+from kiln.attention import AttentionBackend, AttentionMetadata
 from kiln.models.llama import CausalLM
 from kiln.scheduler import ScheduledBatch
 from kiln.sequence import Sequence
@@ -29,8 +29,11 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, block_size: int, device: torch.device) -> None:
+    def __init__(
+        self, model: CausalLM, backend: AttentionBackend, block_size: int, device: torch.device
+    ) -> None:
         self.model = model
+        self.backend = backend
         self.block_size = block_size
         self.device = device
         self.kv_cache: torch.Tensor | None = None
@@ -77,6 +80,7 @@ class ModelRunner:
             num_decodes=sum(1 for i in order if batch.num_tokens[i] == 1),
             max_seq_len=max(lens),
         )
+        meta = self.backend.build_metadata(meta, bs)
         return ModelInputs(tensor(ids, torch.long), tensor(pos, torch.long), meta,
                            tensor(sample_rows, torch.long), sampling)
 

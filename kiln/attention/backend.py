@@ -37,6 +37,10 @@ class AttentionBackend(ABC):
     name: str
     graph_support: GraphSupport
 
+    def build_metadata(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
+        """Once per step: add what this backend precomputes for every layer."""
+        return meta
+
     @abstractmethod
     def forward(
         self,

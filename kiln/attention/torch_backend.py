@@ -1,13 +1,25 @@
 """Paged attention in pure PyTorch: works on CPU and CUDA, mixed prefill and decode in one
-batch. It reads batch layout on the host, so it cannot live inside a CUDA graph: it declares
-GraphSupport.NEVER and runs as a splitting op between compiled pieces."""
+batch. It reads the batch layout on the host, so it cannot live inside a CUDA graph: it
+declares GraphSupport.NEVER and runs as a splitting op between compiled pieces.
+
+Decode rows are batched: their KV slots and padding mask are computed once per step (not per
+layer) and gathered from the paged cache. Each prefill chunk attends on its own."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define(
+    "torch_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
+    "Tensor decode_slots, Tensor decode_bias, float scale) -> Tensor"
+)
 
 
 def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -16,30 +28,25 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
     return block_table[..., pos // block_size].long() * block_size + pos % block_size
 
 
-def _decode(q, k_flat, v_flat, block_tables, seq_lens, max_len, block_size, scale):
+def _decode(q, k_flat, v_flat, slots, bias, scale):
     n, h, d = q.shape
     hkv = k_flat.shape[1]
-    slots = _slots(block_tables, max_len, block_size)  # [n, L]
     keys = k_flat[slots].permute(0, 2, 3, 1)  # [n, Hkv, D, L]
     values = v_flat[slots].transpose(1, 2)  # [n, Hkv, L, D]
-    qg = q.view(n, hkv, h // hkv, d)
-    scores = torch.matmul(qg, keys).float() * scale  # [n, Hkv, G, L]
-    valid = torch.arange(max_len, device=q.device)[None, :] < seq_lens[:, None]
-    scores.masked_fill_(~valid[:, None, None, :], float("-inf"))
-    probs = scores.softmax(-1).to(q.dtype)
+    scores = torch.matmul(q.view(n, hkv, h // hkv, d), keys).float()  # [n, Hkv, G, L]
+    probs = (scores * scale + bias[:, None, None, :]).softmax(-1).to(q.dtype)
     return torch.matmul(probs, values).reshape(n, h * d)
 
 
 def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
     q_len = q.shape[0]
     ctx_len = seq_len - q_len
+    mask = None
     if ctx_len > 0:
         slots = _slots(block_table, seq_len, block_size)
         k, v = k_flat[slots], v_flat[slots]
         rows = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
-    else:
-        mask = None
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
         attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
@@ -47,7 +54,6 @@ def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
     return out.transpose(0, 1).reshape(q_len, -1)
 
 
-@torch.library.custom_op("kiln::torch_paged_attention", mutates_args=("k_cache", "v_cache"))
 def torch_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -58,36 +64,57 @@ def torch_paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     block_tables: torch.Tensor,
+    decode_slots: torch.Tensor,
+    decode_bias: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     block_size, hkv, d = k_cache.shape[1:]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
-    n_tokens = starts[-1]
+    n_tokens, n_dec = starts[-1], decode_slots.shape[0]
     k_flat.index_copy_(0, slot_mapping[:n_tokens], k[:n_tokens])
     v_flat.index_copy_(0, slot_mapping[:n_tokens], v[:n_tokens])
+    if n_dec == q.shape[0]:
+        return _decode(q, k_flat, v_flat, decode_slots, decode_bias, scale)
     out = q.new_zeros(q.shape[0], q.shape[1] * d)
-    lens = seq_lens.tolist()
-    q_lens = [b - a for a, b in zip(starts[:-1], starts[1:])]
-    n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     if n_dec:
-        out[:n_dec] = _decode(q[:n_dec], k_flat, v_flat, block_tables[:n_dec], seq_lens[:n_dec],
-                              max(lens[:n_dec]), block_size, scale)
-    for i in range(n_dec, len(q_lens)):
+        out[:n_dec] = _decode(q[:n_dec], k_flat, v_flat, decode_slots, decode_bias, scale)
+    lens = seq_lens.tolist()
+    for i in range(n_dec, len(starts) - 1):
         a, b = starts[i], starts[i + 1]
         out[a:b] = _prefill(q[a:b], k[a:b], v[a:b], k_flat, v_flat, block_tables[i], lens[i],
                             block_size, scale)
     return out
 
 
-@torch_paged_attention.register_fake
-def _(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables, scale):
+def _fake(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
+          decode_slots, decode_bias, scale):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+
+
+_LIB.impl("torch_paged_attention", torch_paged_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln::torch_paged_attention", _fake, lib=_LIB)
+
+
+@dataclass
+class TorchPagedMetadata(AttentionMetadata):
+    decode_slots: torch.Tensor | None = None  # [num_decodes, max_decode_len] int64
+    decode_bias: torch.Tensor | None = None  # [num_decodes, max_decode_len] 0 or -inf
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "torch_paged"
     graph_support = GraphSupport.NEVER
+
+    def build_metadata(self, meta: AttentionMetadata, block_size: int) -> TorchPagedMetadata:
+        n = meta.num_decodes
+        lens = meta.seq_lens[:n]
+        width = int(lens.max()) if n else 0
+        slots = _slots(meta.block_tables[:n], width, block_size)
+        pos = torch.arange(width, device=lens.device)
+        bias = torch.zeros(n, width, device=lens.device).masked_fill_(
+            pos[None, :] >= lens[:, None], float("-inf"))
+        return TorchPagedMetadata(**vars(meta), decode_slots=slots, decode_bias=bias)
 
     def forward(
         self,
@@ -96,10 +123,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: TorchPagedMetadata,
         scale: float,
     ) -> torch.Tensor:
         return torch.ops.kiln.torch_paged_attention(
             q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping,
-            meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+            meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.decode_slots,
+            meta.decode_bias, scale,
         )

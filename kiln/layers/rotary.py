@@ -81,12 +81,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self.head_dim = head_dim
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, Hkv, D]; returns new contiguous tensors."""
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        """Once per step: [T, 1, D/2] cos and sin, shared by every layer."""
+        cos, sin = self.cos_sin_cache[positions].to(dtype).unsqueeze(1).chunk(2, dim=-1)
+        return cos.contiguous(), sin.contiguous()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, D] -> a new contiguous tensor."""
+    return _rotate(x, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

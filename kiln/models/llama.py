@@ -13,12 +13,16 @@ from torch import nn
 from kiln.attention import Attention, AttentionBackend, AttentionMetadata
 from kiln.layers.linear import Linear
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import RotaryEmbedding
+from kiln.layers.embedding import VocabEmbedding
+from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.models.config import ModelConfig
 
 
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sizes = [h * d, hkv * d, hkv * d]
@@ -26,19 +30,16 @@ class SelfAttention(nn.Module):
         self.o_proj = Linear(h * d, cfg.hidden_size)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.rotary = rotary
         self.attn = Attention(h, hkv, d, backend)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         a = self.attn
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
         q = q.view(-1, a.num_heads, a.head_dim)
         k = k.view(-1, a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
         v = v.reshape(-1, a.num_kv_heads, a.head_dim)
         return self.o_proj(a(q, k, v, meta))
 
@@ -56,17 +57,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary, backend)
+        self.self_attn = SelfAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, meta)
+    def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -77,12 +76,11 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(
+        self.rotary = RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, backend) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -90,13 +88,22 @@ class CausalLM(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.cos_sin(positions, x.dtype)
         for layer in self.layers:
-            x = layer(x, positions, meta)
+            x = layer(x, rope, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return self.embed_tokens.as_lm_head(hidden).float()
+        return self.lm_head(hidden).float()
+
+    def finalize(self, device: torch.device) -> None:
+        """Post-load weight layout (see Linear.finalize)."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.finalize(device)
+        self.embed_tokens.finalize(device, used_as_lm_head=self.lm_head is None)
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
