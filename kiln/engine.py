@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -83,6 +84,8 @@ class LLMEngine:
         self.seq_ids = SequenceCounter()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_steps = 0
+        # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
+        self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
         logger.info("engine ready in %.1f s: %s, %d KV blocks of %d tokens", time.monotonic() - t0,
                     self.model_config.architecture, num_blocks, config.cache.block_size)
 
@@ -207,6 +210,8 @@ class LLMEngine:
         return outputs
 
     def _append_samples(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
+        if self.logits_observer is not None:
+            self.logits_observer(seqs, logits)
         batch = SamplingBatch.build(seqs, self.model_config.vocab_size, self.device)
         out = sample(logits, batch, self.tokenizer.eos_token_ids, self.generator)
         now = time.monotonic()

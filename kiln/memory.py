@@ -7,7 +7,7 @@ import torch
 from kiln.config import CacheConfig
 from kiln.errors import ConfigError
 
-DEFAULT_FRACTION = {"cpu": 0.25, "cuda": 0.85}
+DEFAULT_FRACTION = {"cpu": 0.2, "cuda": 0.85}
 
 
 def available_memory(device: torch.device) -> int:

@@ -41,8 +41,9 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         cfg = self.model.config
         shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
-        # zeros, not empty: masked-out slots are still multiplied by 0 and must not be NaN
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=self.device)
+        # empty, not zeros: backends only ever read slots that were written (padding reads are
+        # redirected), and zero-filling gigabytes would cost seconds at boot
+        self.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
         for i, attn in enumerate(self.model.attention_layers()):
             attn.bind_cache(self.kv_cache[i, 0], self.kv_cache[i, 1])
 

@@ -112,8 +112,11 @@ class TorchPagedAttentionBackend(AttentionBackend):
         width = int(lens.max()) if n else 0
         slots = _slots(meta.block_tables[:n], width, block_size)
         pos = torch.arange(width, device=lens.device)
-        bias = torch.zeros(n, width, device=lens.device).masked_fill_(
-            pos[None, :] >= lens[:, None], float("-inf"))
+        beyond = pos[None, :] >= lens[:, None]
+        bias = torch.zeros(n, width, device=lens.device).masked_fill_(beyond, float("-inf"))
+        # Positions past a sequence's end read its own first slot instead: never-written cache
+        # memory may hold NaN, and NaN * 0 would leak through the softmax.
+        slots = torch.where(beyond, slots[:, :1], slots)
         return TorchPagedMetadata(**vars(meta), decode_slots=slots, decode_bias=bias)
 
     def forward(

@@ -126,7 +126,7 @@ class GGUFSource(ModelSource):
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 data = unpermute_qk(data, heads)
-            yield name, torch.from_numpy(np.ascontiguousarray(data, dtype=np.float32)).to(dtype)
+            yield name, torch.from_numpy(np.array(data, dtype=np.float32)).to(dtype)
 
     def load_tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.path, self.config.eos_token_ids)

@@ -1,0 +1,54 @@
+"""Interactive chat: type a message, the reply streams back. /reset clears, /exit quits."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kiln.cli.engine_args import engine_kwargs, sampling_params
+from kiln.errors import InvalidRequestError
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from kiln.llm import LLM
+
+    sampling_params(args)  # a bad flag fails before the model loads
+    llm = LLM(args.model, **engine_kwargs(args))
+    base = [{"role": "system", "content": args.system}] if args.system else []
+    messages = list(base)
+    print("kiln chat: /reset clears the conversation, /exit (or Ctrl-D) quits", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = list(base)
+            continue
+        if not text:
+            continue
+        messages.append({"role": "user", "content": text})
+        try:
+            reply = _stream_reply(llm, messages, args)
+        except InvalidRequestError as exc:
+            messages.pop()
+            print(f"error: {exc} (try /reset)", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": reply})
+
+
+def _stream_reply(llm, messages: list[dict], args: argparse.Namespace) -> str:
+    prompt = llm.tokenizer.apply_chat_template(messages)
+    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
+    text = ""
+    for out in llm.stream({"prompt_token_ids": ids}, sampling_params(args)):
+        delta = out.outputs[0].delta_text
+        text += delta
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return text

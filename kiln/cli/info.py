@@ -1,0 +1,47 @@
+"""`kiln info`: what the model is and how the engine resolved its configuration."""
+
+from __future__ import annotations
+
+import argparse
+
+from kiln.cli.engine_args import engine_kwargs
+
+
+def _rows(engine) -> list[tuple[str, str]]:
+    m = engine.model_config
+    st = engine.stats()
+    bs = engine.config.cache.block_size
+    return [
+        ("model", engine.source.path),
+        ("architecture", m.architecture),
+        ("parameters", f"{m.num_params / 1e6:.1f} M"),
+        ("layers", str(m.num_layers)),
+        ("hidden size", str(m.hidden_size)),
+        ("intermediate size", str(m.intermediate_size)),
+        ("attention heads (q / kv)", f"{m.num_heads} / {m.num_kv_heads}, head dim {m.head_dim}"),
+        ("vocabulary", str(m.vocab_size)),
+        ("context length", str(m.max_position_embeddings)),
+        ("rope", f"theta {m.rope_theta:g}, scaling {m.rope_scaling or 'none'}"),
+        ("tied embeddings", str(m.tie_word_embeddings)),
+        ("chat template", "yes" if engine.tokenizer.has_chat_template else "no"),
+        ("device / dtype", f"{engine.device} / {engine.config.dtype}"),
+        ("max_model_len", str(engine.max_model_len)),
+        ("max_num_seqs", str(engine.config.scheduler.max_num_seqs)),
+        ("max_num_batched_tokens", str(engine.config.scheduler.max_num_batched_tokens)),
+        ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
+        ("prefix caching", str(engine.config.cache.enable_prefix_caching)),
+        ("attention backend", f"{engine.attn_backend.name} "
+                              f"(CUDA graphs: {engine.attn_backend.graph_support.value})"),
+    ]
+
+
+def print_info(args: argparse.Namespace) -> int:
+    from kiln.engine import LLMEngine
+    from kiln.llm import engine_config
+
+    engine = LLMEngine(engine_config(args.model, **engine_kwargs(args)))
+    rows = _rows(engine)
+    width = max(len(k) for k, _ in rows)
+    for key, value in rows:
+        print(f"{key:<{width}}  {value}")
+    return 0

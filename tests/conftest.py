@@ -1,0 +1,92 @@
+"""Shared fixtures. Models load once per session: the embedded SmolLM2 GGUF (kiln and HF
+transformers as the reference) and tiny random-weight HF directories per architecture."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from kiln.loader.default_model import default_model_path
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+
+TINY_VARIANTS = {
+    "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
+    "llama_tied_llama3rope": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64})),
+    "llama_linear_rope": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
+    "qwen2_yarn": ("Qwen2Config", dict(rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+}
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> str:
+    return default_model_path()
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(smollm_path) -> str:
+    """The embedded model's tokenizer as an HF directory (converted once, cached)."""
+    from kiln.tokenizer import _converted_tokenizer_dir, _convert_gguf_tokenizer
+
+    path = _converted_tokenizer_dir(smollm_path)
+    if not os.path.isdir(path):
+        _convert_gguf_tokenizer(smollm_path, path)
+    return path
+
+
+def make_tiny_model(root: str, name: str, tokenizer_dir: str, seed: int = 0) -> str:
+    import transformers
+
+    cls_name, extra = TINY_VARIANTS[name]
+    torch.manual_seed(seed)
+    cfg = getattr(transformers, cls_name)(vocab_size=49152, bos_token_id=1, eos_token_id=2,
+                                          **TINY, **extra)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    path = os.path.join(root, name)
+    model.save_pretrained(path)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), path)
+    with open(os.path.join(path, "config.json")) as fh:
+        assert json.load(fh)["architectures"]
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    root = str(tmp_path_factory.mktemp("tiny"))
+    return {name: make_tiny_model(root, name, tokenizer_dir) for name in TINY_VARIANTS}
+
+
+@pytest.fixture(scope="session")
+def smollm_llm(smollm_path):
+    from kiln import LLM
+
+    return LLM(kv_cache_memory="512MiB", max_num_seqs=16)
+
+
+@pytest.fixture(scope="session")
+def hf_smollm(smollm_path):
+    from transformers import AutoModelForCausalLM
+
+    folder, name = os.path.split(smollm_path)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model.eval()
