@@ -9,8 +9,22 @@ import torch
 
 from kiln.errors import ConfigError
 
-_SIZE_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "t": 1e12, "tb": 1e12}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 1e12,
+    "tb": 1e12,
+}
 
 
 def parse_bytes(value: int | float | str) -> int:
@@ -59,9 +73,16 @@ class SchedulerConfig:
             raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
 
 
-_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
-           "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-           "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str | torch.dtype) -> torch.dtype:
@@ -95,5 +116,7 @@ class EngineConfig:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ConfigError("device 'cuda' was requested but torch sees no CUDA GPU; use --device cpu")
+            raise ConfigError(
+                "device 'cuda' was requested but torch sees no CUDA GPU; use --device cpu"
+            )
         return torch.device(self.device)

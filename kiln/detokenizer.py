@@ -43,7 +43,11 @@ class IncrementalDetokenizer:
 
     def take_delta(self, final: bool) -> str:
         """New text safe to emit; everything left when the sequence is final."""
-        end = len(self.text) if final or not self.stop else max(self.emitted, len(self.text) - self.hold)
+        end = (
+            len(self.text)
+            if final or not self.stop
+            else max(self.emitted, len(self.text) - self.hold)
+        )
         delta = self.text[self.emitted : end]
         self.emitted = end
         return delta

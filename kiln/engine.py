@@ -73,12 +73,14 @@ class LLMEngine:
         self.attn_backend = TorchPagedAttentionBackend()
         self.model = self._load_model()
         self.max_model_len = self._resolve_max_model_len()
-        self.runner = ModelRunner(self.model, self.attn_backend, config.cache.block_size,
-                                  self.device)
+        self.runner = ModelRunner(
+            self.model, self.attn_backend, config.cache.block_size, self.device
+        )
         num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(num_blocks, self.dtype)
-        self.blocks = BlockManager(num_blocks, config.cache.block_size,
-                                   config.cache.enable_prefix_caching)
+        self.blocks = BlockManager(
+            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
         self.seq_ids = SequenceCounter()
@@ -86,8 +88,13 @@ class LLMEngine:
         self.num_steps = 0
         # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
         self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
-        logger.info("engine ready in %.1f s: %s, %d KV blocks of %d tokens", time.monotonic() - t0,
-                    self.model_config.architecture, num_blocks, config.cache.block_size)
+        logger.info(
+            "engine ready in %.1f s: %s, %d KV blocks of %d tokens",
+            time.monotonic() - t0,
+            self.model_config.architecture,
+            num_blocks,
+            config.cache.block_size,
+        )
 
     def _load_model(self) -> torch.nn.Module:
         default_dtype = torch.get_default_dtype()
@@ -120,8 +127,8 @@ class LLMEngine:
             raise ConfigError(
                 f"the KV cache holds {blocks * bs} tokens ({blocks} blocks of {per_block} bytes), "
                 f"fewer than max_model_len={self.max_model_len}: raise --kv-cache-memory "
-                f"(to at least {-(-self.max_model_len // bs) * per_block} bytes) or lower "
-                "--max-model-len"
+                f"(to at least {-(-self.max_model_len // bs) * per_block / 2**20:.1f}MiB) or "
+                "lower --max-model-len"
             )
         return blocks
 
@@ -156,23 +163,46 @@ class LLMEngine:
         if len(ids) >= limit:
             raise InvalidRequestError(
                 f"the prompt has {len(ids)} tokens but max_model_len is {limit}: it must be "
-                f"shorter by at least one token", "prompt")
+                f"shorter by at least one token",
+                "prompt",
+            )
         if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
             raise InvalidRequestError(
                 f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit})", "max_tokens")
+                f"max_model_len ({limit})",
+                "max_tokens",
+            )
         params.validate_for_vocab(vocab)
 
-    def _new_sequence(self, request_id: str, index: int, ids: list[int], params: SamplingParams,
-                      metrics: RequestMetrics) -> Sequence:
+    def _new_sequence(
+        self,
+        request_id: str,
+        index: int,
+        ids: list[int],
+        params: SamplingParams,
+        metrics: RequestMetrics,
+    ) -> Sequence:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(self.device).manual_seed(params.seed + index)
-        detok = IncrementalDetokenizer(self.tokenizer.backend, params.stop,
-                                       params.skip_special_tokens, params.include_stop_str_in_output)
+        detok = IncrementalDetokenizer(
+            self.tokenizer.backend,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
         seq_metrics = metrics if index == 0 else RequestMetrics(metrics.arrival_time)
-        return Sequence(self.seq_ids.next(), request_id, index, list(ids), len(ids), params, detok,
-                        seq_metrics, generator)
+        return Sequence(
+            self.seq_ids.next(),
+            request_id,
+            index,
+            list(ids),
+            len(ids),
+            params,
+            detok,
+            seq_metrics,
+            generator,
+        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Unknown ids are ignored."""
@@ -229,7 +259,10 @@ class LLMEngine:
         top = []
         if seq.params.logprobs:
             values, ids = row.topk(seq.params.logprobs)
-            top = [TokenLogprob(i, decode([i], False), v) for i, v in zip(ids.tolist(), values.tolist())]
+            top = [
+                TokenLogprob(i, decode([i], False), v)
+                for i, v in zip(ids.tolist(), values.tolist())
+            ]
         lp = float(row[token])
         seq.logprobs.append(Logprobs(TokenLogprob(token, decode([token], False), lp), top))
         seq.cumulative_logprob += lp
@@ -244,8 +277,9 @@ class LLMEngine:
             seq.finish_reason, seq.stop_reason = "stop", token
         elif stop_str is not None:
             seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif (p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens) or \
-                seq.num_tokens >= self.max_model_len:
+        elif (
+            p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
+        ) or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
         if seq.finish_reason is not None:
             seq.metrics.finished_time = time.monotonic()
@@ -257,21 +291,32 @@ class LLMEngine:
             delta = seq.detokenizer.take_delta(final=seq.finished)
             new_ids = seq.output_token_ids[seq.num_reported_tokens :]
             seq.num_reported_tokens += len(new_ids)
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.detokenizer.text[: seq.detokenizer.emitted],
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-                cumulative_logprob=seq.cumulative_logprob if seq.params.logprobs is not None else None,
-                delta_text=delta,
-                delta_token_ids=new_ids,
-                metrics=seq.metrics,
-            ))
+            completions.append(
+                CompletionOutput(
+                    index=seq.index,
+                    text=seq.detokenizer.text[: seq.detokenizer.emitted],
+                    token_ids=seq.output_token_ids,
+                    finish_reason=seq.finish_reason,
+                    stop_reason=seq.stop_reason,
+                    logprobs=seq.logprobs if seq.params.logprobs is not None else None,
+                    cumulative_logprob=seq.cumulative_logprob
+                    if seq.params.logprobs is not None
+                    else None,
+                    delta_text=delta,
+                    delta_token_ids=new_ids,
+                    metrics=seq.metrics,
+                )
+            )
         cached = request.seqs[0].num_cached_tokens or 0
-        return RequestOutput(request.request_id, request.prompt, request.prompt_token_ids,
-                             completions, request.finished, cached, request.metrics)
+        return RequestOutput(
+            request.request_id,
+            request.prompt,
+            request.prompt_token_ids,
+            completions,
+            request.finished,
+            cached,
+            request.metrics,
+        )
 
     def stats(self) -> EngineStats:
         b = self.blocks

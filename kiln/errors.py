@@ -1,4 +1,6 @@
-"""Exceptions kiln raises for mistakes a user can fix. Each message names the field and the limit."""
+"""Exceptions kiln raises for mistakes a user can fix.
+
+Each message names the field and the limit."""
 
 
 class KilnError(Exception):

@@ -18,8 +18,12 @@ Message = dict[str, Any]
 
 def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     """Build an EngineConfig from vLLM-style flat keyword arguments."""
-    cache_keys = {"block_size", "kv_cache_memory", "kv_cache_memory_fraction",
-                  "enable_prefix_caching"}
+    cache_keys = {
+        "block_size",
+        "kv_cache_memory",
+        "kv_cache_memory_fraction",
+        "enable_prefix_caching",
+    }
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
     engine_keys = {"dtype", "device", "seed", "tokenizer"}
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
@@ -30,8 +34,9 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         cache["kv_cache_memory"] = parse_bytes(cache["kv_cache_memory"])
     sched = {k: v for k, v in kwargs.items() if k in sched_keys and v is not None}
     rest = {k: v for k, v in kwargs.items() if k in engine_keys and v is not None}
-    return EngineConfig(model=model, cache=CacheConfig(**cache),
-                        scheduler=SchedulerConfig(**sched), **rest)
+    return EngineConfig(
+        model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **rest
+    )
 
 
 class LLM:
@@ -64,13 +69,20 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the chat template to one conversation or a list of them, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt)
-                   for c in conversations]
-        return self.generate([{"prompt_token_ids": self._encode_chat(p), "prompt": p}
-                              for p in prompts], sampling_params)
+        prompts = [self.chat_prompt(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params)
 
-    def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None
-               ) -> Iterator[RequestOutput]:
+    def chat_prompt(
+        self, messages: list[Message], add_generation_prompt: bool = True
+    ) -> dict[str, Any]:
+        """The chat template applied and tokenized (the template holds the special tokens)."""
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt)
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return {"prompt_token_ids": ids, "prompt": text}
+
+    def stream(
+        self, prompt: Prompt, sampling_params: SamplingParams | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield a RequestOutput (with delta_text) each time the request advances."""
         request_id = self._add(prompt, sampling_params or SamplingParams())
         while True:
@@ -79,10 +91,6 @@ class LLM:
                     yield out
                     if out.finished:
                         return
-
-    def _encode_chat(self, text: str) -> list[int]:
-        # the template already holds the special tokens
-        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _add(self, prompt: Prompt, params: SamplingParams) -> str:
         request_id = str(next(self._ids))
@@ -107,13 +115,16 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     return prompts
 
 
-def _per_prompt(params: SamplingParams | Sequence[SamplingParams] | None, n: int
-                ) -> list[SamplingParams]:
+def _per_prompt(
+    params: SamplingParams | Sequence[SamplingParams] | None, n: int
+) -> list[SamplingParams]:
     if params is None or isinstance(params, SamplingParams):
         return [params or SamplingParams()] * n
     params = list(params)
     if len(params) != n:
-        raise InvalidRequestError(f"{len(params)} sampling params for {n} prompts", "sampling_params")
+        raise InvalidRequestError(
+            f"{len(params)} sampling params for {n} prompts", "sampling_params"
+        )
     return params
 
 

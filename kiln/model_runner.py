@@ -51,7 +51,16 @@ class ModelRunner:
         """Lay the batch out decodes first, as the attention backends expect."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)
         bs = self.block_size
-        ids, pos, slots, starts, lens, tables, sample_rows, sampling = [], [], [], [0], [], [], [], []
+        ids, pos, slots, starts, lens, tables, sample_rows, sampling = (
+            [],
+            [],
+            [],
+            [0],
+            [],
+            [],
+            [],
+            [],
+        )
         for i in order:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             first = seq.num_computed_tokens
@@ -82,8 +91,13 @@ class ModelRunner:
             max_seq_len=max(lens),
         )
         meta = self.backend.build_metadata(meta, bs)
-        return ModelInputs(tensor(ids, torch.long), tensor(pos, torch.long), meta,
-                           tensor(sample_rows, torch.long), sampling)
+        return ModelInputs(
+            tensor(ids, torch.long),
+            tensor(pos, torch.long),
+            meta,
+            tensor(sample_rows, torch.long),
+            sampling,
+        )
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[Sequence]]:

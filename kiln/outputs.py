@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
 
@@ -37,7 +38,7 @@ class RequestMetrics:
     @property
     def inter_token_latencies(self) -> list[float]:
         t = self.token_times
-        return [b - a for a, b in zip(t[:-1], t[1:])]
+        return [b - a for a, b in itertools.pairwise(t)]
 
 
 @dataclass

@@ -37,14 +37,17 @@ class SamplingBatch:
         return cls(
             temperature=column([p.temperature for p in ps]),
             top_k=column([p.top_k or vocab_size for p in ps], torch.long)
-            if any(p.top_k for p in ps) else None,
+            if any(p.top_k for p in ps)
+            else None,
             top_p=column([p.top_p for p in ps]) if any(p.top_p < 1 for p in ps) else None,
             min_p=column([p.min_p for p in ps]) if any(p.min_p > 0 for p in ps) else None,
             penalties=(
                 column([p.repetition_penalty for p in ps]),
                 column([p.presence_penalty for p in ps]),
                 column([p.frequency_penalty for p in ps]),
-            ) if any_penalty else None,
+            )
+            if any_penalty
+            else None,
             seqs=seqs,
         )
 
@@ -63,7 +66,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     seen = torch.zeros_like(logits, dtype=torch.bool)
     counts = torch.zeros_like(logits)
     for row, seq in enumerate(batch.seqs):
-        ids = torch.tensor(seq.token_ids, device=logits.device, dtype=torch.long).clamp_(0, vocab - 1)
+        ids = torch.tensor(seq.token_ids, device=logits.device, dtype=torch.long).clamp_(
+            0, vocab - 1
+        )
         seen[row, ids] = True
         out = ids[seq.num_prompt_tokens :]
         counts[row].index_add_(0, out, torch.ones_like(out, dtype=logits.dtype))

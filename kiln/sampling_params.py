@@ -41,26 +41,54 @@ class SamplingParams:
     def _validate(self) -> None:
         checks = [
             (self.n >= 1, "n", f"n must be >= 1, got {self.n}"),
-            (self.temperature >= 0, "temperature",
-             f"temperature must be >= 0, got {self.temperature}"),
+            (
+                self.temperature >= 0,
+                "temperature",
+                f"temperature must be >= 0, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, "top_p", f"top_p must be in (0, 1], got {self.top_p}"),
-            (self.top_k >= 0, "top_k", f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}"),
+            (
+                self.top_k >= 0,
+                "top_k",
+                f"top_k must be -1 (off), 0 (off) or >= 1, got {self.top_k}",
+            ),
             (0 <= self.min_p <= 1, "min_p", f"min_p must be in [0, 1], got {self.min_p}"),
-            (self.repetition_penalty > 0, "repetition_penalty",
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
-            (-2 <= self.presence_penalty <= 2, "presence_penalty",
-             f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
-            (-2 <= self.frequency_penalty <= 2, "frequency_penalty",
-             f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
-            (self.max_tokens is None or self.max_tokens >= 1, "max_tokens",
-             f"max_tokens must be >= 1, got {self.max_tokens}"),
+            (
+                self.repetition_penalty > 0,
+                "repetition_penalty",
+                f"repetition_penalty must be > 0, got {self.repetition_penalty}",
+            ),
+            (
+                -2 <= self.presence_penalty <= 2,
+                "presence_penalty",
+                f"presence_penalty must be in [-2, 2], got {self.presence_penalty}",
+            ),
+            (
+                -2 <= self.frequency_penalty <= 2,
+                "frequency_penalty",
+                f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}",
+            ),
+            (
+                self.max_tokens is None or self.max_tokens >= 1,
+                "max_tokens",
+                f"max_tokens must be >= 1, got {self.max_tokens}",
+            ),
             (self.min_tokens >= 0, "min_tokens", f"min_tokens must be >= 0, got {self.min_tokens}"),
-            (self.max_tokens is None or self.min_tokens <= self.max_tokens, "min_tokens",
-             f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"),
-            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs",
-             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
-            (all(isinstance(s, str) and s for s in self.stop), "stop",
-             "stop must be a list of non-empty strings"),
+            (
+                self.max_tokens is None or self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
+            ),
+            (
+                self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
+            ),
+            (
+                all(isinstance(s, str) and s for s in self.stop),
+                "stop",
+                "stop must be a list of non-empty strings",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -74,5 +102,6 @@ class SamplingParams:
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise InvalidRequestError(
-                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})", "stop_token_ids"
+                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
+                "stop_token_ids",
             )

@@ -82,10 +82,13 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
 
     logger.info("converting the GGUF tokenizer of %s (cached for later runs)", path)
     try:
-        hf = AutoTokenizer.from_pretrained(os.path.dirname(path) or ".",
-                                           gguf_file=os.path.basename(path))
+        hf = AutoTokenizer.from_pretrained(
+            os.path.dirname(path) or ".", gguf_file=os.path.basename(path)
+        )
     except Exception as exc:
-        raise ModelLoadError(f"cannot build a tokenizer from the GGUF metadata of {path!r}: {exc}") from None
+        raise ModelLoadError(
+            f"cannot build a tokenizer from the GGUF metadata of {path!r}: {exc}"
+        ) from None
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
     hf.save_pretrained(tmp)

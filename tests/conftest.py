@@ -12,18 +12,44 @@ import torch
 
 from kiln.loader.default_model import default_model_path
 
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, max_position_embeddings=512, rms_norm_eps=1e-6)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+)
 
 TINY_VARIANTS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
-    "llama_tied_llama3rope": ("LlamaConfig", dict(tie_word_embeddings=True, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 64})),
+    "llama_tied_llama3rope": (
+        "LlamaConfig",
+        dict(
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+    ),
     "llama_linear_rope": ("LlamaConfig", dict(rope_scaling={"rope_type": "linear", "factor": 2.0})),
     "qwen2": ("Qwen2Config", dict(tie_word_embeddings=True)),
-    "qwen2_yarn": ("Qwen2Config", dict(rope_scaling={
-        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128})),
+    "qwen2_yarn": (
+        "Qwen2Config",
+        dict(
+            rope_scaling={
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+            }
+        ),
+    ),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
 }
 
@@ -45,7 +71,7 @@ def smollm_path() -> str:
 @pytest.fixture(scope="session")
 def tokenizer_dir(smollm_path) -> str:
     """The embedded model's tokenizer as an HF directory (converted once, cached)."""
-    from kiln.tokenizer import _converted_tokenizer_dir, _convert_gguf_tokenizer
+    from kiln.tokenizer import _convert_gguf_tokenizer, _converted_tokenizer_dir
 
     path = _converted_tokenizer_dir(smollm_path)
     if not os.path.isdir(path):
@@ -58,8 +84,9 @@ def make_tiny_model(root: str, name: str, tokenizer_dir: str, seed: int = 0) -> 
 
     cls_name, extra = TINY_VARIANTS[name]
     torch.manual_seed(seed)
-    cfg = getattr(transformers, cls_name)(vocab_size=49152, bos_token_id=1, eos_token_id=2,
-                                          **TINY, **extra)
+    cfg = getattr(transformers, cls_name)(
+        vocab_size=49152, bos_token_id=1, eos_token_id=2, **TINY, **extra
+    )
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     path = os.path.join(root, name)
     model.save_pretrained(path)

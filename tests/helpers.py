@@ -10,28 +10,46 @@ import torch
 from kiln import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
 
 
-def make_engine(model: str | None, block_size: int = 16, prefix_caching: bool = True,
-                max_num_batched_tokens: int = 2048, max_num_seqs: int = 16,
-                kv_cache_memory: int = 64 * 2**20, max_model_len: int | None = None) -> LLMEngine:
-    return LLMEngine(EngineConfig(
-        model=model,
-        cache=CacheConfig(block_size=block_size, kv_cache_memory=kv_cache_memory,
-                          enable_prefix_caching=prefix_caching),
-        scheduler=SchedulerConfig(max_num_seqs=max_num_seqs,
-                                  max_num_batched_tokens=max_num_batched_tokens,
-                                  max_model_len=max_model_len),
-    ))
+def make_engine(
+    model: str | None,
+    block_size: int = 16,
+    prefix_caching: bool = True,
+    max_num_batched_tokens: int = 2048,
+    max_num_seqs: int = 16,
+    kv_cache_memory: int = 64 * 2**20,
+    max_model_len: int | None = None,
+) -> LLMEngine:
+    return LLMEngine(
+        EngineConfig(
+            model=model,
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=kv_cache_memory,
+                enable_prefix_caching=prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+            ),
+        )
+    )
 
 
-def run_schedule(engine: LLMEngine, arrivals: list[tuple[int, list[int], SamplingParams]],
-                 record_logits: bool = False):
+def run_schedule(
+    engine: LLMEngine,
+    arrivals: list[tuple[int, list[int], SamplingParams]],
+    record_logits: bool = False,
+):
     """arrivals: (step at which the request arrives, prompt ids, params). Returns
     {request_id: final RequestOutput} and, if asked, {request_id: [logits per token]}."""
     logits: dict[str, list[torch.Tensor]] = defaultdict(list)
     if record_logits:
+
         def observe(seqs, rows):
             for seq, row in zip(seqs, rows):
                 logits[seq.request_id].append(row.clone())
+
         engine.logits_observer = observe
     finals, step, pending = {}, 0, sorted(enumerate(arrivals), key=lambda a: a[1][0])
     while pending or engine.has_unfinished_requests():

@@ -48,19 +48,26 @@ def _check(hf_model, prompts, finals, logits):
 
 @pytest.fixture(scope="module")
 def hf_models(tiny_models):
-    return {name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-            for name, path in tiny_models.items()}
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        for name, path in tiny_models.items()
+    }
 
 
 @pytest.mark.parametrize("name", list(TINY_VARIANTS))
 @pytest.mark.parametrize("block_size,prefix_caching", [(16, True), (4, True), (16, False)])
 def test_logits_match_hf(tiny_models, hf_models, name, block_size, prefix_caching):
-    engine = make_engine(tiny_models[name], block_size=block_size, prefix_caching=prefix_caching,
-                         max_num_batched_tokens=24)
+    engine = make_engine(
+        tiny_models[name],
+        block_size=block_size,
+        prefix_caching=prefix_caching,
+        max_num_batched_tokens=24,
+    )
     prompts = _prompts()
     params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
     finals, logits = run_schedule(
-        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True)
+        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True
+    )
     _check(hf_models[name], prompts, finals, logits)
     cached = finals["4"].num_cached_tokens
     if prefix_caching:

@@ -27,5 +27,7 @@ class Attention(nn.Module):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
         if self.k_cache is None:
-            raise RuntimeError("the KV cache was not bound to this attention layer before a forward")
+            raise RuntimeError(
+                "the KV cache was not bound to this attention layer before a forward"
+            )
         return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)

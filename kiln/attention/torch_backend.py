@@ -48,8 +48,13 @@ def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
         rows = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
     out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
-        attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=True,
+        q.transpose(0, 1),
+        k.transpose(0, 1),
+        v.transpose(0, 1),
+        attn_mask=mask,
+        is_causal=mask is None,
+        scale=scale,
+        enable_gqa=True,
     )
     return out.transpose(0, 1).reshape(q_len, -1)
 
@@ -82,13 +87,26 @@ def torch_paged_attention(
     lens = seq_lens.tolist()
     for i in range(n_dec, len(starts) - 1):
         a, b = starts[i], starts[i + 1]
-        out[a:b] = _prefill(q[a:b], k[a:b], v[a:b], k_flat, v_flat, block_tables[i], lens[i],
-                            block_size, scale)
+        out[a:b] = _prefill(
+            q[a:b], k[a:b], v[a:b], k_flat, v_flat, block_tables[i], lens[i], block_size, scale
+        )
     return out
 
 
-def _fake(q, k, v, k_cache, v_cache, slot_mapping, query_start_loc, seq_lens, block_tables,
-          decode_slots, decode_bias, scale):
+def _fake(
+    q,
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    query_start_loc,
+    seq_lens,
+    block_tables,
+    decode_slots,
+    decode_bias,
+    scale,
+):
     return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
 
 
@@ -130,7 +148,16 @@ class TorchPagedAttentionBackend(AttentionBackend):
         scale: float,
     ) -> torch.Tensor:
         return torch.ops.kiln.torch_paged_attention(
-            q, k.contiguous(), v.contiguous(), k_cache, v_cache, meta.slot_mapping,
-            meta.query_start_loc, meta.seq_lens, meta.block_tables, meta.decode_slots,
-            meta.decode_bias, scale,
+            q,
+            k.contiguous(),
+            v.contiguous(),
+            k_cache,
+            v_cache,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.seq_lens,
+            meta.block_tables,
+            meta.decode_slots,
+            meta.decode_bias,
+            scale,
         )

@@ -42,10 +42,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _stream_reply(llm, messages: list[dict], args: argparse.Namespace) -> str:
-    prompt = llm.tokenizer.apply_chat_template(messages)
-    ids = llm.tokenizer.encode(prompt, add_special_tokens=False)
     text = ""
-    for out in llm.stream({"prompt_token_ids": ids}, sampling_params(args)):
+    for out in llm.stream(llm.chat_prompt(messages), sampling_params(args)):
         delta = out.outputs[0].delta_text
         text += delta
         sys.stdout.write(delta)

@@ -13,13 +13,24 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
     g = parser.add_argument_group("engine")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step (default 64)")
-    g.add_argument("--max-num-batched-tokens", type=int, help="token budget per step (default 2048)")
+    g.add_argument(
+        "--max-num-batched-tokens", type=int, help="token budget per step (default 2048)"
+    )
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    g.add_argument("--kv-cache-memory", help="KV cache budget, e.g. 2GiB (default: a fraction of free memory)")
-    g.add_argument("--kv-cache-memory-fraction", type=float,
-                   help="fraction of free memory for the KV cache (default 0.2 CPU, 0.85 CUDA)")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None,
-                   help="reuse KV blocks of shared prompt prefixes (default on)")
+    g.add_argument(
+        "--kv-cache-memory", help="KV cache budget, e.g. 2GiB (default: a fraction of free memory)"
+    )
+    g.add_argument(
+        "--kv-cache-memory-fraction",
+        type=float,
+        help="fraction of free memory for the KV cache (default 0.2 CPU, 0.85 CUDA)",
+    )
+    g.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="reuse KV blocks of shared prompt prefixes (default on)",
+    )
     g.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
     if engine_seed:
@@ -27,9 +38,18 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-            "kv_cache_memory", "kv_cache_memory_fraction", "enable_prefix_caching", "dtype",
-            "device", "seed")
+    keys = (
+        "max_model_len",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+        "block_size",
+        "kv_cache_memory",
+        "kv_cache_memory_fraction",
+        "enable_prefix_caching",
+        "dtype",
+        "device",
+        "seed",
+    )
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 
 
@@ -41,14 +61,24 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--max-tokens", type=int, default=256)
-    g.add_argument("--seed", dest="sampling_seed", type=int, default=None,
-                   help="per-request seed: same seed, same output")
+    g.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        type=int,
+        default=None,
+        help="per-request seed: same seed, same output",
+    )
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
 def sampling_params(args: argparse.Namespace) -> SamplingParams:
     return SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens,
-        seed=args.sampling_seed, stop=args.stop,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        max_tokens=args.max_tokens,
+        seed=args.sampling_seed,
+        stop=args.stop,
     )

@@ -30,8 +30,10 @@ def _rows(engine) -> list[tuple[str, str]]:
         ("max_num_batched_tokens", str(engine.config.scheduler.max_num_batched_tokens)),
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
         ("prefix caching", str(engine.config.cache.enable_prefix_caching)),
-        ("attention backend", f"{engine.attn_backend.name} "
-                              f"(CUDA graphs: {engine.attn_backend.graph_support.value})"),
+        (
+            "attention backend",
+            f"{engine.attn_backend.name} (CUDA graphs: {engine.attn_backend.graph_support.value})",
+        ),
     ]
 
 

@@ -13,8 +13,12 @@ from kiln.errors import KilnError
 
 
 def _model_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", "-m", default=None,
-                        help="a .gguf file or a local HF directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        "-m",
+        default=None,
+        help="a .gguf file or a local HF directory (default: the embedded SmolLM2-135M-Instruct)",
+    )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -24,10 +28,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     llm = LLM(args.model, **engine_kwargs(args))
     prompt = args.prompt
     if not args.raw and llm.tokenizer.has_chat_template:
-        messages = ([{"role": "system", "content": args.system}] if args.system else [])
-        prompt = {"prompt_token_ids": llm.tokenizer.encode(
-            llm.tokenizer.apply_chat_template(messages + [{"role": "user", "content": prompt}]),
-            add_special_tokens=False)}
+        system = [{"role": "system", "content": args.system}] if args.system else []
+        prompt = llm.chat_prompt([*system, {"role": "user", "content": prompt}])
     for out in llm.stream(prompt, params):
         sys.stdout.write(out.outputs[0].delta_text)
         sys.stdout.flush()
@@ -77,8 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(levelname)s kiln: %(message)s")
+    logging.basicConfig(
+        level=logging.INFO if args.verbose else logging.WARNING,
+        format="%(levelname)s kiln: %(message)s",
+    )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)

@@ -19,7 +19,9 @@ def open_model(model: str | None) -> ModelSource:
         return HFDirectorySource(path)
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
-            raise ModelLoadError(f"{path!r} is a file but not a .gguf; pass a GGUF file or an HF directory")
+            raise ModelLoadError(
+                f"{path!r} is a file but not a .gguf; pass a GGUF file or an HF directory"
+            )
         return GGUFSource(path)
     raise ModelLoadError(
         f"model {model!r} not found: expected a .gguf file or a directory with config.json and "

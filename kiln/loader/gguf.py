@@ -16,20 +16,45 @@ from kiln.loader.source import ModelSource
 from kiln.models.config import ModelConfig
 from kiln.tokenizer import Tokenizer
 
-GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                      "qwen3": "Qwen3ForCausalLM"}
-SUPPORTED_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                          "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+GGUF_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+SUPPORTED_TENSOR_TYPES = (
+    "F32",
+    "F16",
+    "BF16",
+    "Q8_0",
+    "Q4_0",
+    "Q4_1",
+    "Q5_0",
+    "Q5_1",
+    "Q2_K",
+    "Q3_K",
+    "Q4_K",
+    "Q5_K",
+    "Q6_K",
+)
 
 _LAYER_NAMES = {
-    "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "attn_q_norm": "self_attn.q_norm",
-    "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
-_GLOBAL_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
-                 "output": "lm_head"}
+_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
@@ -39,6 +64,18 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
     base, _, leaf = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
+
+
+def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+    """A GGUF tensor as float32, in PyTorch's dimension order (GGUF lists dims reversed)."""
+    kind = t.tensor_type.name
+    if kind not in SUPPORTED_TENSOR_TYPES:
+        raise ModelLoadError(
+            f"tensor {t.name!r} has GGUF type {kind}; kiln dequantizes "
+            + ", ".join(SUPPORTED_TENSOR_TYPES)
+        )
+    data = gguf.quants.dequantize(t.data, t.tensor_type)
+    return data.reshape([int(d) for d in reversed(t.shape)])
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -106,23 +143,13 @@ class GGUFSource(ModelSource):
             ),
         }
 
-    def _dequantize(self, t: gguf.ReaderTensor) -> np.ndarray:
-        kind = t.tensor_type.name
-        if kind not in SUPPORTED_TENSOR_TYPES:
-            raise ModelLoadError(
-                f"tensor {t.name!r} has GGUF type {kind}; kiln dequantizes "
-                + ", ".join(SUPPORTED_TENSOR_TYPES)
-            )
-        data = gguf.quants.dequantize(t.data, t.tensor_type)
-        return data.reshape([int(d) for d in reversed(t.shape)])
-
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
         for t in self.reader.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
-            data = self._dequantize(t)
+            data = dequantize(t)
             if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
                 heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
                 data = unpermute_qk(data, heads)

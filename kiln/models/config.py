@@ -43,7 +43,9 @@ class ModelConfig:
                 f"num_key_value_heads ({self.num_kv_heads})"
             )
         if self.hidden_act != "silu":
-            raise ModelLoadError(f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'")
+            raise ModelLoadError(
+                f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -73,7 +75,13 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
     arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
     if not arch:
         raise ModelLoadError(
-            "config.json names no architecture; expected one of " + ", ".join(SUPPORTED_ARCHITECTURES)
+            "config.json names no architecture; expected one of "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
+        )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {arch!r}; kiln supports "
+            + ", ".join(SUPPORTED_ARCHITECTURES)
         )
     try:
         heads = cfg["num_attention_heads"]
@@ -101,7 +109,9 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
         )
     except KeyError as exc:
-        raise ModelLoadError(f"config.json lacks the field {exc.args[0]!r} that {arch} needs") from None
+        raise ModelLoadError(
+            f"config.json lacks the field {exc.args[0]!r} that {arch} needs"
+        ) from None
 
 
 _ARCH_BY_MODEL_TYPE = {

@@ -11,12 +11,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention import Attention, AttentionBackend, AttentionMetadata
+from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear
 from kiln.layers.norm import RMSNorm
-from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.models.config import ModelConfig
-
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

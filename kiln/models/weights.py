@@ -49,7 +49,7 @@ def _load_fused(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None
 def _expected_keys(model: nn.Module) -> set[str]:
     keys = set()
     for name, _ in model.named_parameters():
-        path, leaf = name.rsplit(".", 1)
+        path = name.rsplit(".", 1)[0]
         if path.endswith("qkv_proj"):
             keys |= {f"{name}#{i}" for i in range(3)}
         elif path.endswith("gate_up_proj"):
@@ -72,7 +72,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
             key = _load_fused(model, name, tensor) if "layers." in name else None
             if key is None:
                 if name not in params:
-                    logger.warning("ignoring checkpoint tensor %r: the model has no such weight", raw_name)
+                    logger.warning(
+                        "ignoring checkpoint tensor %r: the model has no such weight", raw_name
+                    )
                     continue
                 _copy(params[name], name, tensor)
                 key = name
@@ -80,7 +82,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         shown = ", ".join(k.split("#")[0] for k in missing[:5])
-        raise ModelLoadError(f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {shown}")
+        raise ModelLoadError(
+            f"checkpoint lacks {len(missing)} tensors the model needs, e.g. {shown}"
+        )
 
 
 def _copy(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:

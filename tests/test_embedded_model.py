@@ -1,0 +1,74 @@
+"""The embedded SmolLM2-135M-Instruct GGUF: greedy tokens identical to HF transformers (fp32,
+weights dequantized by HF's own GGUF loader), and the answers DESIGN.md records."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+
+QUESTIONS = [
+    "What is the capital of France?",
+    "What is 1 + 1?",
+    "Write a haiku about the sea.",
+    "Name three primary colors.",
+    "Explain what a CPU does in one sentence.",
+]
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm_llm):
+    tok = smollm_llm.tokenizer
+    return [
+        tok.encode(
+            tok.apply_chat_template([{"role": "user", "content": q}]), add_special_tokens=False
+        )
+        for q in QUESTIONS
+    ]
+
+
+def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
+    """Greedy decoding that runs past EOS, like ignore_eos (HF's generate would stop, and its
+    min_new_tokens would mask EOS instead)."""
+    out, past, step_ids = [], None, torch.tensor([ids])
+    with torch.no_grad():
+        for _ in range(n):
+            res = model(step_ids, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            out.append(int(res.logits[0, -1].argmax()))
+            step_ids = torch.tensor([[out[-1]]])
+    return out
+
+
+def test_greedy_tokens_match_hf(smollm_llm, hf_smollm, chat_ids):
+    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    outs = smollm_llm.generate([{"prompt_token_ids": ids} for ids in chat_ids], params)
+    for ids, out in zip(chat_ids, outs):
+        assert out.outputs[0].token_ids == _hf_greedy(hf_smollm, ids, 32)
+
+
+def test_known_answers(smollm_llm):
+    params = SamplingParams(temperature=0, max_tokens=32)
+    paris, two = smollm_llm.chat(
+        [[{"role": "user", "content": QUESTIONS[0]}], [{"role": "user", "content": QUESTIONS[1]}]],
+        params,
+    )
+    assert "Paris" in paris.outputs[0].text
+    assert "2" in two.outputs[0].text
+    assert paris.outputs[0].finish_reason == "stop"
+
+
+def test_prompt_template_and_tokenizer_match_hf(smollm_llm, smollm_path):
+    import os
+
+    from transformers import AutoTokenizer
+
+    folder, name = os.path.split(smollm_path)
+    hf_tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    messages = [{"role": "user", "content": "Héllo, wörld — ünïcode 🙂"}]
+    ours = smollm_llm.tokenizer.apply_chat_template(messages)
+    assert ours == hf_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert smollm_llm.tokenizer.encode(ours, add_special_tokens=False) == hf_tok.encode(
+        ours, add_special_tokens=False
+    )

@@ -1,0 +1,201 @@
+"""Sampling: filters on known distributions, penalties by hand, seeds across batch
+compositions, stops, n > 1 and logprobs through the real engine."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.sampler import SamplingBatch, apply_penalties, filter_logits, sample
+from tests.helpers import make_engine, run_schedule
+
+PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
+
+
+def _seq(params: SamplingParams, tokens=(1, 2), prompt_len=1, generator=None):
+    return SimpleNamespace(
+        params=params,
+        token_ids=list(tokens),
+        num_prompt_tokens=prompt_len,
+        num_output_tokens=len(tokens) - prompt_len,
+        generator=generator,
+    )
+
+
+def _kept(params: SamplingParams) -> set[int]:
+    logits = PROBS.log()[None, :]
+    batch = SamplingBatch.build([_seq(params)], 5, torch.device("cpu"))
+    out = filter_logits(logits, batch)
+    return {i for i in range(5) if out[0, i] > float("-inf")}
+
+
+@pytest.mark.parametrize(
+    "params,expected",
+    [
+        (SamplingParams(top_k=2), {0, 1}),
+        (SamplingParams(top_k=1), {0}),
+        (SamplingParams(top_p=0.6), {0, 1}),  # 0.5 < 0.6, then 0.5 + 0.2 covers it
+        (SamplingParams(top_p=0.5), {0}),
+        (SamplingParams(top_p=0.71), {0, 1, 2}),
+        (SamplingParams(min_p=0.25), {0, 1, 2}),  # floor 0.125
+        (SamplingParams(min_p=0.5), {0}),
+        (SamplingParams(top_k=3, min_p=0.35), {0, 1}),  # floor 0.175 among the top 3
+        (SamplingParams(), {0, 1, 2, 3, 4}),
+    ],
+)
+def test_filters_keep_the_right_support(params, expected):
+    assert _kept(params) == expected
+
+
+def test_sampled_frequencies_follow_the_filtered_distribution():
+    params = SamplingParams(temperature=1.0, top_p=0.8)  # keeps {0, 1, 2}: renormalised /0.85
+    seqs = [_seq(params) for _ in range(4000)]
+    batch = SamplingBatch.build(seqs, 5, torch.device("cpu"))
+    out = sample(PROBS.log().repeat(4000, 1), batch, frozenset(), torch.Generator().manual_seed(0))
+    counts = torch.bincount(torch.tensor(out.token_ids), minlength=5).float() / 4000
+    assert counts[3] == 0 and counts[4] == 0
+    torch.testing.assert_close(counts[:3], PROBS[:3] / 0.85, atol=0.03, rtol=0)
+
+
+def test_temperature_sharpens():
+    seqs = [_seq(SamplingParams(temperature=0.25)) for _ in range(2000)]
+    batch = SamplingBatch.build(seqs, 5, torch.device("cpu"))
+    out = sample(PROBS.log().repeat(2000, 1), batch, frozenset(), torch.Generator().manual_seed(0))
+    p = PROBS**4 / (PROBS**4).sum()  # softmax(log p / 0.25)
+    freq = torch.bincount(torch.tensor(out.token_ids), minlength=5).float() / 2000
+    torch.testing.assert_close(freq, p, atol=0.03, rtol=0)
+
+
+def test_penalties_by_hand():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 1.0]])
+    params = SamplingParams(repetition_penalty=2.0, presence_penalty=0.5, frequency_penalty=0.25)
+    # prompt [0], output [1, 1, 3]
+    seq = _seq(params, tokens=(0, 1, 1, 3), prompt_len=1)
+    out = apply_penalties(logits, SamplingBatch.build([seq], 4, torch.device("cpu")))
+    expected = torch.tensor(
+        [
+            [
+                2.0 / 2,  # prompt token: repetition only
+                -1.0 * 2 - 0.5 - 0.5,  # output twice: rep, presence, 2 x freq
+                0.5,  # unseen
+                1.0 / 2 - 0.5 - 0.25,
+            ]
+        ]
+    )
+    torch.testing.assert_close(out, expected)
+
+
+def test_min_tokens_masks_eos():
+    params = SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[3])
+    seq = _seq(params, tokens=(0, 1), prompt_len=1)
+    batch = SamplingBatch.build([seq], 5, torch.device("cpu"))
+    logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
+    out = sample(logits, batch, frozenset({2}), torch.Generator())
+    assert out.token_ids == [4]  # EOS (2) and the stop token (3) are banned until 3 tokens
+
+
+# ---- through the engine ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_models):
+    return make_engine(tiny_models["qwen2"])
+
+
+def _prompt(seed: int, n: int = 12) -> list[int]:
+    return torch.randint(3, 49000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_seed_reproducible_whatever_the_batch(engine):
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+    alone, _ = run_schedule(engine, [(0, _prompt(0), params)])
+    others = [
+        (0, _prompt(s), SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True))
+        for s in range(1, 5)
+    ]
+    crowded, _ = run_schedule(engine, [*others[:2], (2, _prompt(0), params), *others[2:]])
+    assert crowded["2"].outputs[0].token_ids == alone["0"].outputs[0].token_ids
+    other_seed = SamplingParams(temperature=1.0, top_k=50, seed=99, max_tokens=12, ignore_eos=True)
+    different, _ = run_schedule(engine, [(0, _prompt(0), other_seed)])
+    assert different["0"].outputs[0].token_ids != alone["0"].outputs[0].token_ids
+
+
+def test_n_completions_differ_and_are_counted(engine):
+    params = SamplingParams(n=3, temperature=1.0, seed=5, max_tokens=8, ignore_eos=True)
+    out, _ = run_schedule(engine, [(0, _prompt(7), params)])
+    outs = out["0"].outputs
+    assert [o.index for o in outs] == [0, 1, 2]
+    assert len({tuple(o.token_ids) for o in outs}) == 3
+    assert out["0"].num_completion_tokens == 24
+
+
+def test_logprobs_are_the_models(engine, tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    prompt = _prompt(8)
+    params = SamplingParams(temperature=0, max_tokens=3, logprobs=4, ignore_eos=True)
+    out, _ = run_schedule(engine, [(0, prompt, params)])
+    comp = out["0"].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen2"]).eval()
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + comp.token_ids])).logits[0].log_softmax(-1)
+    total = 0.0
+    for i, lp in enumerate(comp.logprobs):
+        row = ref[len(prompt) - 1 + i]
+        assert lp.sampled.token_id == comp.token_ids[i]
+        assert math.isclose(lp.sampled.logprob, row[lp.sampled.token_id].item(), abs_tol=1e-4)
+        assert [t.token_id for t in lp.top] == row.topk(4).indices.tolist()
+        total += lp.sampled.logprob
+    assert math.isclose(comp.cumulative_logprob, total, abs_tol=1e-5)
+
+
+def test_stop_token_ids_and_max_tokens(engine):
+    base, _ = run_schedule(
+        engine, [(0, _prompt(9), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))]
+    )
+    tokens = base["0"].outputs[0].token_ids
+    assert base["0"].outputs[0].finish_reason == "length" and len(tokens) == 10
+    stop_at = tokens[4]
+    params = SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at], ignore_eos=True)
+    out, _ = run_schedule(engine, [(0, _prompt(9), params)])
+    comp = out["0"].outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop_at
+    assert comp.token_ids == tokens[: tokens.index(stop_at) + 1]
+
+
+def test_stop_string_is_not_returned(engine):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    base, _ = run_schedule(engine, [(0, _prompt(10), params)])
+    text = base["0"].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    assert len(stop) == 3 and stop in text
+    out, _ = run_schedule(
+        engine,
+        [
+            (
+                0,
+                _prompt(10),
+                SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop]),
+            )
+        ],
+    )
+    comp = out["0"].outputs[0]
+    assert comp.finish_reason == "stop" and comp.stop_reason == stop
+    assert comp.text == text[: text.index(stop)]
+
+
+def test_streamed_deltas_never_contain_the_stop_string(engine):
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    text = run_schedule(engine, [(0, _prompt(10), params)])[0]["0"].outputs[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    engine.add_request(
+        "s", _prompt(10), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, stop=[stop])
+    )
+    deltas = []
+    while engine.has_unfinished_requests():
+        deltas += [o.outputs[0].delta_text for o in engine.step()]
+    assert "".join(deltas) == text[: text.index(stop)]
