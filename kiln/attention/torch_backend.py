@@ -28,13 +28,20 @@ def _slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Ten
     return block_table[..., pos // block_size].long() * block_size + pos % block_size
 
 
+def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[n, L] slots -> [n, L, Hkv, D]; index_select is twice as fast as advanced indexing."""
+    return flat.index_select(0, slots.view(-1)).view(*slots.shape, *flat.shape[1:])
+
+
 def _decode(q, k_flat, v_flat, slots, bias, scale):
     n, h, d = q.shape
     hkv = k_flat.shape[1]
-    keys = k_flat[slots].permute(0, 2, 3, 1)  # [n, Hkv, D, L]
-    values = v_flat[slots].transpose(1, 2)  # [n, Hkv, L, D]
-    scores = torch.matmul(q.view(n, hkv, h // hkv, d), keys).float()  # [n, Hkv, G, L]
-    probs = (scores * scale + bias[:, None, None, :]).softmax(-1).to(q.dtype)
+    keys = _gather(k_flat, slots).permute(0, 2, 3, 1)  # [n, Hkv, D, L]
+    values = _gather(v_flat, slots).transpose(1, 2)  # [n, Hkv, L, D]
+    scores = torch.matmul(q.view(n, hkv, h // hkv, d) * scale, keys)  # [n, Hkv, G, L]
+    if scores.dtype != torch.float32:
+        scores = scores.float()
+    probs = torch.softmax(scores + bias[:, None, None, :], -1).to(values.dtype)
     return torch.matmul(probs, values).reshape(n, h * d)
 
 
@@ -44,7 +51,7 @@ def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
     mask = None
     if ctx_len > 0:
         slots = _slots(block_table, seq_len, block_size)
-        k, v = k_flat[slots], v_flat[slots]
+        k, v = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
         rows = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
     out = F.scaled_dot_product_attention(

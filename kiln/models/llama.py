@@ -33,13 +33,16 @@ class SelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         a = self.attn
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)
-        q = q.view(-1, a.num_heads, a.head_dim)
-        k = k.view(-1, a.num_kv_heads, a.head_dim)
+        qkv = self.qkv_proj(x)
+        qk_size = self.sizes[0] + self.sizes[1]
+        qk = qkv[:, :qk_size].view(-1, a.num_heads + a.num_kv_heads, a.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        v = v.reshape(-1, a.num_kv_heads, a.head_dim)
+            qk = torch.cat(
+                [self.q_norm(qk[:, : a.num_heads]), self.k_norm(qk[:, a.num_heads :])], 1
+            )
+        # q and k rotate together: one set of ops instead of two
+        q, k = apply_rotary(qk, *rope).split([a.num_heads, a.num_kv_heads], dim=1)
+        v = qkv[:, qk_size:].reshape(-1, a.num_kv_heads, a.head_dim)
         return self.o_proj(a(q, k, v, meta))
 
 
