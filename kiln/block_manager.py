@@ -130,6 +130,15 @@ class BlockManager:
                 self.cached[hashes[i]] = block.block_id
         seq.num_hashed_blocks = full
 
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (and the hit statistics)."""
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        self.stats = PrefixCacheStats()
+
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction before the
         head, which later requests are likelier to share."""

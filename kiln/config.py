@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kiln.compilation.config import CompilationConfig
 from kiln.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -102,6 +103,9 @@ class EngineConfig:
     tokenizer: str | None = None
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation: CompilationConfig = field(default_factory=CompilationConfig)
+    enforce_eager: bool = False
+    strict_graphs: bool = False  # every change the graph plan would make is an error
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

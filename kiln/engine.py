@@ -9,11 +9,25 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.attention import TorchPagedAttentionBackend
+from kiln.attention import AttentionBackend, TorchPagedAttentionBackend
 from kiln.block_manager import BlockManager
+from kiln.compilation.cache import (
+    CompileCacheEntry,
+    cache_key_fields,
+    device_signature,
+    kiln_source_hash,
+)
+from kiln.compilation.plan import (
+    AttentionCaps,
+    DeviceCaps,
+    GraphPlan,
+    log_plan,
+    resolve_graph_plan,
+)
 from kiln.config import EngineConfig
 from kiln.detokenizer import IncrementalDetokenizer
 from kiln.errors import ConfigError, InvalidRequestError
+from kiln.input_buffers import InputBuffers
 from kiln.loader import open_model
 from kiln.memory import num_kv_blocks
 from kiln.model_runner import ModelRunner, kv_bytes_per_block
@@ -53,12 +67,20 @@ class EngineStats:
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     num_steps: int
-    step_tokens: dict[str, int] = field(default_factory=dict)
+    graphs: dict = field(default_factory=dict)  # runtime-mode step counts, graph misses
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+def device_caps(device: torch.device) -> DeviceCaps:
+    if device.type == "cuda":
+        return DeviceCaps(
+            "cuda", False, "CUDA graph capture is not implemented in this kiln build yet"
+        )
+    return DeviceCaps.cpu()
 
 
 class LLMEngine:
@@ -73,8 +95,15 @@ class LLMEngine:
         self.attn_backend = TorchPagedAttentionBackend()
         self.model = self._load_model()
         self.max_model_len = self._resolve_max_model_len()
+        self.plan = self._resolve_plan()
+        self.compile_cache = self._open_compile_cache()
         self.runner = ModelRunner(
-            self.model, self.attn_backend, config.cache.block_size, self.device
+            self.model,
+            self.attn_backend,
+            self.plan,
+            config.cache.block_size,
+            self._input_buffers(),
+            self.device,
         )
         num_blocks = self._size_kv_cache()
         self.runner.allocate_kv_cache(num_blocks, self.dtype)
@@ -88,6 +117,8 @@ class LLMEngine:
         self.num_steps = 0
         # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
         self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
+        self.boot_phases: dict[str, float] = {}
+        self._warm_up()
         logger.info(
             "engine ready in %.1f s: %s, %d KV blocks of %d tokens",
             time.monotonic() - t0,
@@ -107,6 +138,73 @@ class LLMEngine:
         load_weights(model, self.source.tensors(self.dtype))
         model.finalize(self.device)
         return model.eval()
+
+    def _resolve_plan(self) -> GraphPlan:
+        backend: AttentionBackend = self.attn_backend
+        sched = self.config.scheduler
+        plan = resolve_graph_plan(
+            self.config.compilation,
+            device_caps(self.device),
+            AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops),
+            max_num_batched_tokens=sched.max_num_batched_tokens,
+            max_num_seqs=sched.max_num_seqs,
+            enforce_eager=self.config.enforce_eager,
+            strict=self.config.strict_graphs,
+        )
+        log_plan(plan, logger)
+        return plan
+
+    def _open_compile_cache(self) -> CompileCacheEntry | None:
+        if self.plan.mode != 3:
+            return None
+        plan = self.plan.to_dict()
+        compilation = {
+            k: plan[k]
+            for k in (
+                "mode",
+                "cudagraph_mode",
+                "decode_capture_sizes",
+                "mixed_capture_sizes",
+                "splitting_ops",
+            )
+        }
+        fields = cache_key_fields(
+            self.model_config.to_dict(),
+            compilation,
+            self.config.dtype,
+            device_signature(self.device),
+            kiln_source_hash(),
+        )
+        entry = CompileCacheEntry.open(fields)
+        entry.activate()
+        logger.info("compile cache %s (%s)", entry.path, "reused" if entry.reused else "new")
+        return entry
+
+    def _input_buffers(self) -> InputBuffers:
+        sched = self.config.scheduler
+        max_blocks = -(-self.max_model_len // self.config.cache.block_size)
+        return InputBuffers(
+            sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks, self.device
+        )
+
+    def _warm_up(self) -> None:
+        """A prefill step then a decode step, so compilation happens at boot, not on the first
+        request; afterwards every recompilation is counted and warned about."""
+        t0 = time.monotonic()
+        n = max(1, min(8, self.max_model_len - 3))
+        self.add_request(
+            "__kiln_warmup__", [1] * n, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+        )
+        self.step()
+        self.runner.mark_warmed_up()
+        while self.has_unfinished_requests():
+            self.step()
+        self.blocks.reset_prefix_cache()
+        self.runner.counters = type(self.runner.counters)()
+        self.num_steps = 0
+        self.boot_phases["warm_up_s"] = time.monotonic() - t0
+        if self.compile_cache is not None:
+            self.compile_cache.seal()
 
     def _resolve_max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -330,4 +428,5 @@ class LLMEngine:
             prefix_cache_queried_tokens=b.stats.queried_tokens,
             prefix_cache_hit_tokens=b.stats.hit_tokens,
             num_steps=self.num_steps,
+            graphs=self.runner.counters.to_dict() | {"recompilations": self.runner.recompilations},
         )

@@ -6,6 +6,7 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kiln.compilation import CompilationConfig
 from kiln.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
 from kiln.engine import LLMEngine
 from kiln.errors import InvalidRequestError
@@ -25,7 +26,10 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "enable_prefix_caching",
     }
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-    engine_keys = {"dtype", "device", "seed", "tokenizer"}
+    engine_keys = {"dtype", "device", "seed", "tokenizer", "enforce_eager", "strict_graphs"}
+    compilation = kwargs.pop("compilation_config", None)
+    if not isinstance(compilation, CompilationConfig):
+        compilation = CompilationConfig.from_json(compilation)
     unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
     if unknown:
         raise TypeError(f"unknown engine options {sorted(unknown)}")
@@ -35,7 +39,11 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
     sched = {k: v for k, v in kwargs.items() if k in sched_keys and v is not None}
     rest = {k: v for k, v in kwargs.items() if k in engine_keys and v is not None}
     return EngineConfig(
-        model=model, cache=CacheConfig(**cache), scheduler=SchedulerConfig(**sched), **rest
+        model=model,
+        cache=CacheConfig(**cache),
+        scheduler=SchedulerConfig(**sched),
+        compilation=compilation,
+        **rest,
     )
 
 

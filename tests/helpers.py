@@ -8,6 +8,7 @@ from collections import defaultdict
 import torch
 
 from kiln import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
+from kiln.compilation import CompilationConfig
 
 
 def make_engine(
@@ -18,6 +19,7 @@ def make_engine(
     max_num_seqs: int = 16,
     kv_cache_memory: int = 64 * 2**20,
     max_model_len: int | None = None,
+    compilation: CompilationConfig | None = None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -32,6 +34,7 @@ def make_engine(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_model_len=max_model_len,
             ),
+            compilation=compilation or CompilationConfig(),
         )
     )
 

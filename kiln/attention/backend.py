@@ -36,6 +36,7 @@ class AttentionMetadata:
 class AttentionBackend(ABC):
     name: str
     graph_support: GraphSupport
+    splitting_ops: tuple[str, ...] = ()  # the registered ops a compiled graph splits at
 
     def build_metadata(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
         """Once per step: add what this backend precomputes for every layer."""

@@ -30,4 +30,14 @@ class Attention(nn.Module):
             raise RuntimeError(
                 "the KV cache was not bound to this attention layer before a forward"
             )
-        return self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta, self.scale)
+        # Contiguous by construction: these cross the split boundary of the compiled mode, and a
+        # strided view there is what crashed the field report's capture.
+        return self.backend.forward(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            self.k_cache,
+            self.v_cache,
+            meta,
+            self.scale,
+        )

@@ -7,6 +7,7 @@ layer) and gathered from the paged cache. Each prefill chunk attends on its own.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -85,16 +86,21 @@ def torch_paged_attention(
     block_size, hkv, d = k_cache.shape[1:]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
-    n_tokens, n_dec = starts[-1], decode_slots.shape[0]
+    n_tokens = starts[-1]
     k_flat.index_copy_(0, slot_mapping[:n_tokens], k[:n_tokens])
     v_flat.index_copy_(0, slot_mapping[:n_tokens], v[:n_tokens])
+    q_lens = [b - a for a, b in itertools.pairwise(starts)]
+    n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
+    if n_dec:  # decode_slots/bias are flat [n_dec * L] so their layout never varies
+        decode_slots = decode_slots.view(n_dec, -1)
+        decode_bias = decode_bias.view(n_dec, -1)
     if n_dec == q.shape[0]:
         return _decode(q, k_flat, v_flat, decode_slots, decode_bias, scale)
     out = q.new_zeros(q.shape[0], q.shape[1] * d)
     if n_dec:
         out[:n_dec] = _decode(q[:n_dec], k_flat, v_flat, decode_slots, decode_bias, scale)
     lens = seq_lens.tolist()
-    for i in range(n_dec, len(starts) - 1):
+    for i in range(n_dec, len(q_lens)):
         a, b = starts[i], starts[i + 1]
         out[a:b] = _prefill(
             q[a:b], k[a:b], v[a:b], k_flat, v_flat, block_tables[i], lens[i], block_size, scale
@@ -125,13 +131,14 @@ torch.library.register_fake("kiln::torch_paged_attention", _fake, lib=_LIB)
 
 @dataclass
 class TorchPagedMetadata(AttentionMetadata):
-    decode_slots: torch.Tensor | None = None  # [num_decodes, max_decode_len] int64
-    decode_bias: torch.Tensor | None = None  # [num_decodes, max_decode_len] 0 or -inf
+    decode_slots: torch.Tensor | None = None  # [num_decodes * max_decode_len] int64
+    decode_bias: torch.Tensor | None = None  # [num_decodes * max_decode_len] 0 or -inf
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "torch_paged"
     graph_support = GraphSupport.NEVER
+    splitting_ops = ("kiln::torch_paged_attention",)
 
     def build_metadata(self, meta: AttentionMetadata, block_size: int) -> TorchPagedMetadata:
         n = meta.num_decodes
@@ -144,7 +151,9 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # Positions past a sequence's end read its own first slot instead: never-written cache
         # memory may hold NaN, and NaN * 0 would leak through the softmax.
         slots = torch.where(beyond, slots[:, :1], slots)
-        return TorchPagedMetadata(**vars(meta), decode_slots=slots, decode_bias=bias)
+        return TorchPagedMetadata(
+            **vars(meta), decode_slots=slots.reshape(-1), decode_bias=bias.reshape(-1)
+        )
 
     def forward(
         self,
@@ -158,8 +167,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         return torch.ops.kiln.torch_paged_attention(
             q,
-            k.contiguous(),
-            v.contiguous(),
+            k,
+            v,
             k_cache,
             v_cache,
             meta.slot_mapping,

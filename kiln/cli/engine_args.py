@@ -33,6 +33,25 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
     )
     g.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
     g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
+    g.add_argument(
+        "--compilation-config",
+        "-O",
+        help='JSON, e.g. \'{"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}\' '
+        "(vLLM's fields: mode, cudagraph_mode, cudagraph_capture_sizes, "
+        "max_cudagraph_capture_size, splitting_ops)",
+    )
+    g.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        default=None,
+        help="no torch.compile, no CUDA graphs",
+    )
+    g.add_argument(
+        "--strict-graphs",
+        action="store_true",
+        default=None,
+        help="refuse to start when the graph plan would change the requested config",
+    )
     if engine_seed:
         g.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default 0)")
 
@@ -49,6 +68,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "dtype",
         "device",
         "seed",
+        "compilation_config",
+        "enforce_eager",
+        "strict_graphs",
     )
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

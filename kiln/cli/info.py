@@ -46,4 +46,6 @@ def print_info(args: argparse.Namespace) -> int:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+    print()
+    print(engine.plan.table())
     return 0

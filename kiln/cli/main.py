@@ -49,6 +49,12 @@ def cmd_info(args: argparse.Namespace) -> int:
     return print_info(args)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    from kiln.cli.cache import run_cache
+
+    return run_cache(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kiln", description="kiln: LLM inference engine")
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
@@ -74,6 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     info.add_argument("model", nargs="?", default=None)
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
+
+    cache = sub.add_parser("cache", help="the compile cache: list or clear its entries")
+    cache.add_argument("action", choices=["ls", "clear"])
+    cache.add_argument("key", nargs="?", help="clear only this entry")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

@@ -1,0 +1,39 @@
+"""`kiln cache ls | clear [KEY]`."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+
+from kiln.compilation.cache import clear_entries, compile_root, list_entries
+
+
+def _describe(fields: dict) -> str:
+    comp = fields.get("compilation", {})
+    arch = fields.get("model_config", {}).get("architecture", "?")
+    return (
+        f"{arch} {fields.get('dtype', '?')} {fields.get('device', '?')} mode "
+        f"{comp.get('mode', '?')} {comp.get('cudagraph_mode', '?')} torch {fields.get('torch')}"
+    )
+
+
+def run_cache(args: argparse.Namespace) -> int:
+    if args.action == "clear":
+        n = clear_entries(args.key)
+        print(f"removed {n} compile cache entr{'y' if n == 1 else 'ies'} from {compile_root()}")
+        return 0
+    rows = list_entries()
+    if not rows:
+        print(f"the compile cache at {compile_root()} is empty")
+        return 0
+    for r in rows:
+        when = (
+            datetime.datetime.fromtimestamp(r["created"]).isoformat(timespec="seconds")
+            if r["created"]
+            else "-"
+        )
+        state = "ok" if r["valid"] else f"CORRUPTED ({r['problem']})"
+        print(
+            f"{r['key']}  {r['bytes'] / 2**20:8.1f} MiB  {when}  {state}  {_describe(r['fields'])}"
+        )
+    return 0

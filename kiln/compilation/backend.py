@@ -1,0 +1,165 @@
+"""kiln's torch.compile backend: split the traced FX graph at the splitting ops, compile every
+piece in between with Inductor, run the splitting ops eagerly between them.
+
+Dynamic shapes: the token and batch dimensions of the model's inputs are marked unbacked before
+each call, so one compilation serves every batch size, 0 and 1 included (a backed dimension
+would be specialized at 0/1 and recompiled)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.fx.passes.split_module import split_module
+
+from kiln.errors import KilnError
+
+logger = logging.getLogger(__name__)
+
+
+class ContiguityError(KilnError):
+    """A tensor crossed a split boundary non-contiguous (debug mode)."""
+
+
+def op_name(target: Any) -> str | None:
+    """'kiln::torch_paged_attention' for an OpOverload or OpOverloadPacket, else None."""
+    schema = getattr(target, "_schema", None)
+    if schema is not None:
+        return schema.name
+    return getattr(target, "_qualified_op_name", None)
+
+
+def _normalize(name: str) -> str:
+    return name.replace(".", "::", 1) if "::" not in name else name
+
+
+@dataclass
+class CompileStats:
+    compilations: int = 0
+    pieces: int = 0
+    splitting_op_calls: int = 0  # splitting-op nodes in the last graph
+    warmed_up: bool = False
+    recompilations: int = 0
+    recompile_reasons: list[str] = field(default_factory=list)
+
+
+class _Piece(torch.nn.Module):
+    """A compiled piece, optionally checking that its outputs leave contiguous."""
+
+    def __init__(self, name: str, fn: Callable, check: bool) -> None:
+        super().__init__()
+        self.name, self.fn, self.check = name, fn, check
+
+    def forward(self, *args: Any) -> Any:
+        out = self.fn(*args)
+        if self.check:
+            _check_contiguous(self.name, "output", out)
+        return out
+
+
+class _SplitCall(torch.nn.Module):
+    """A splitting-op partition, optionally checking that its inputs arrive contiguous."""
+
+    def __init__(self, name: str, module: torch.nn.Module) -> None:
+        super().__init__()
+        self.name, self.inner = name, module
+
+    def forward(self, *args: Any) -> Any:
+        _check_contiguous(self.name, "input", args)
+        return self.inner(*args)
+
+
+def _check_contiguous(piece: str, what: str, value: Any) -> None:
+    items = value if isinstance(value, (tuple, list)) else [value]
+    for i, t in enumerate(items):
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and not t.is_contiguous():
+            raise ContiguityError(
+                f"{what} {i} of {piece} is not contiguous (shape {tuple(t.shape)}, "
+                f"stride {t.stride()}): a strided view crossed a split boundary"
+            )
+
+
+class SplitBackend:
+    def __init__(
+        self, splitting_ops: Sequence[str], debug_contiguity: bool = False, inductor: bool = True
+    ) -> None:
+        self.splitting_ops = {_normalize(s) for s in splitting_ops}
+        self.debug_contiguity = debug_contiguity
+        self.inductor = inductor
+        self.stats = CompileStats()
+        self.last_graph: torch.fx.GraphModule | None = None
+
+    def _is_split(self, node: torch.fx.Node) -> bool:
+        return node.op == "call_function" and op_name(node.target) in self.splitting_ops
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        self.stats.compilations += 1
+        if self.stats.warmed_up:
+            self.stats.recompilations += 1
+            logger.warning(
+                "torch.compile recompiled the model after warm-up (%d so far): a guard failed "
+                "on an input shape or type; each recompilation costs seconds on the request path",
+                self.stats.recompilations,
+            )
+        split, names = self._split(gm)
+        self._compile_pieces(split, names, example_inputs)
+        self.last_graph = split
+        return split
+
+    def _split(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, bool]]:
+        partition, ids = 0, {}
+        for node in gm.graph.nodes:
+            if self._is_split(node):
+                ids[node] = partition + 1
+                partition += 2
+            else:
+                ids[node] = partition
+        self.stats.splitting_op_calls = sum(1 for n in gm.graph.nodes if self._is_split(n))
+        split = split_module(gm, None, lambda n: ids[n], keep_original_order=True)
+        names = {
+            name: any(self._is_split(n) for n in sub.graph.nodes)
+            for name, sub in split.named_children()
+        }
+        return split, names
+
+    def _compile_pieces(
+        self, split: torch.fx.GraphModule, is_split: dict[str, bool], example_inputs: list
+    ) -> None:
+        """Run the split graph on fake inputs to learn each piece's inputs, compile the pieces."""
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensor
+
+        fake_mode = torch._guards.detect_fake_mode(example_inputs)
+        fakes = [
+            fake_mode.from_tensor(x)
+            if isinstance(x, torch.Tensor) and not isinstance(x, FakeTensor)
+            else x
+            for x in example_inputs
+        ]
+        compiled: dict[str, torch.nn.Module] = {}
+        backend = self
+
+        class Recorder(torch.fx.Interpreter):
+            def call_module(self, target, args, kwargs):
+                sub = self.fetch_attr(target)
+                if not is_split[target]:
+                    fn = compile_fx(sub, list(args)) if backend.inductor else sub
+                    compiled[target] = _Piece(target, fn, backend.debug_contiguity)
+                elif backend.debug_contiguity:
+                    compiled[target] = _SplitCall(target, sub)
+                return super().call_module(target, args, kwargs)
+
+        with fake_mode:
+            Recorder(split).run(*fakes)
+        for name, module in compiled.items():
+            setattr(split, name, module)
+        self.stats.pieces = sum(1 for v in is_split.values() if not v)
+
+
+def mark_dynamic_dims(tensors: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
+    for tensor, dims in tensors:
+        for d in dims:
+            torch._dynamo.decorators.mark_unbacked(tensor, d)

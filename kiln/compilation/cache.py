@@ -1,0 +1,169 @@
+"""The compile cache: one directory per configuration, keyed by a hash of everything that
+changes compiled artifacts. Inductor's and Triton's caches live inside it, so a configuration
+change can never load another configuration's artifacts (the field report's "expected size
+8==4" from a stale Inductor cache cannot happen).
+
+An entry is valid when its manifest (written atomically last) lists files whose checksums still
+match; anything else is warned about and rebuilt."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.paths import kiln_cache_dir
+
+logger = logging.getLogger(__name__)
+MANIFEST = "manifest.json"
+
+
+def kiln_source_hash() -> str:
+    """Hash of every kiln source file: a code change invalidates compiled artifacts."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(str(path.relative_to(root)).encode())
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def device_signature(device: torch.device) -> str:
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    return device.type
+
+
+def cache_key_fields(
+    model_config: dict[str, Any],
+    compilation: dict[str, Any],
+    dtype: str,
+    device: str,
+    source_hash: str,
+) -> dict[str, Any]:
+    return {
+        "model_config": model_config,
+        "compilation": compilation,
+        "dtype": dtype,
+        "device": device,
+        "torch": torch.__version__,
+        "kiln_source": source_hash,
+    }
+
+
+def cache_key(fields: dict[str, Any]) -> str:
+    blob = json.dumps(fields, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:20]
+
+
+def compile_root() -> Path:
+    return Path(kiln_cache_dir()) / "compile"
+
+
+@dataclass
+class CompileCacheEntry:
+    path: Path
+    fields: dict[str, Any]
+    reused: bool
+
+    @classmethod
+    def open(cls, fields: dict[str, Any], root: Path | None = None) -> CompileCacheEntry:
+        """Find or create the entry for `fields`; a corrupted entry is rebuilt."""
+        path = (root or compile_root()) / cache_key(fields)
+        reused = False
+        if path.exists():
+            problem = _verify(path)
+            if problem is None:
+                reused = True
+            else:
+                logger.warning(
+                    "compile cache entry %s is corrupted (%s): rebuilding it", path, problem
+                )
+                shutil.rmtree(path, ignore_errors=True)
+        path.mkdir(parents=True, exist_ok=True)
+        return cls(path, fields, reused)
+
+    def activate(self) -> None:
+        """Point Inductor and Triton at this entry (process-wide: one process, one model)."""
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.path / "inductor")
+        os.environ["TRITON_CACHE_DIR"] = str(self.path / "triton")
+
+    def seal(self) -> None:
+        """Record the artifacts with checksums; written last and atomically."""
+        files = {
+            str(p.relative_to(self.path)): _sha(p)
+            for p in sorted(self.path.rglob("*"))
+            if p.is_file() and p.name != MANIFEST
+        }
+        manifest = {"fields": self.fields, "created": time.time(), "files": files}
+        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".manifest")
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1, default=str)
+        os.replace(tmp, self.path / MANIFEST)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _verify(path: Path) -> str | None:
+    """None when the entry is intact, else what is wrong with it."""
+    try:
+        manifest = json.loads((path / MANIFEST).read_text())
+    except FileNotFoundError:
+        return "no manifest: an earlier compilation did not finish"
+    except (OSError, json.JSONDecodeError) as exc:
+        return f"unreadable manifest: {exc}"
+    for rel, digest in manifest.get("files", {}).items():
+        f = path / rel
+        if not f.is_file():
+            return f"{rel} is missing"
+        if _sha(f) != digest:
+            return f"{rel} does not match its checksum"
+    return None
+
+
+def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
+    root = root or compile_root()
+    rows = []
+    for path in sorted(root.glob("*")) if root.exists() else []:
+        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        problem = _verify(path)
+        fields: dict[str, Any] = {}
+        created = None
+        if problem is None:
+            manifest = json.loads((path / MANIFEST).read_text())
+            fields, created = manifest.get("fields", {}), manifest.get("created")
+        rows.append(
+            {
+                "key": path.name,
+                "path": str(path),
+                "bytes": size,
+                "valid": problem is None,
+                "problem": problem,
+                "created": created,
+                "fields": fields,
+            }
+        )
+    return rows
+
+
+def clear_entries(key: str | None = None, root: Path | None = None) -> int:
+    root = root or compile_root()
+    targets = [root / key] if key else (list(root.glob("*")) if root.exists() else [])
+    removed = 0
+    for path in targets:
+        if path.exists():
+            shutil.rmtree(path)
+            removed += 1
+    return removed

@@ -1,0 +1,33 @@
+"""The model runner's persistent input buffers. Each is its own contiguous tensor, sized for the
+largest step; a step copies into the head of each and hands out views of that head, which are
+contiguous too (block tables are stored flat so that a [B, W] view of the head is)."""
+
+from __future__ import annotations
+
+import torch
+
+
+class InputBuffers:
+    def __init__(
+        self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, device: torch.device
+    ) -> None:
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.input_ids = buf(max_tokens, torch.long)
+        self.positions = buf(max_tokens, torch.long)
+        self.slot_mapping = buf(max_tokens, torch.long)
+        self.query_start_loc = buf(max_seqs + 1, torch.int32)
+        self.seq_lens = buf(max_seqs, torch.int32)
+        self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
+        self.sample_rows = buf(max_seqs, torch.long)
+
+    @staticmethod
+    def fill(buffer: torch.Tensor, values: list[int]) -> torch.Tensor:
+        head = buffer[: len(values)]
+        head.copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        return head
+
+    def fill_table(self, rows: list[list[int]], width: int) -> torch.Tensor:
+        flat = [b for row in rows for b in (*row, *([0] * (width - len(row))))]
+        return self.fill(self.block_tables, flat).view(len(rows), width)

@@ -1,0 +1,187 @@
+"""The graph plan: the field report's rules row by row, properties over every combination of
+requested mode x compilation mode x device x backend support x uniform token count, one
+WARNING per change naming the remedy, and strict mode refusing instead."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+import pytest
+
+from kiln.attention.backend import GraphSupport
+from kiln.compilation import (
+    AttentionCaps,
+    CompilationConfig,
+    CUDAGraphMode,
+    DeviceCaps,
+    RuntimeMode,
+    resolve_graph_plan,
+)
+from kiln.compilation.dispatcher import BatchDescriptor, describe, dispatch
+from kiln.compilation.plan import log_plan
+from kiln.errors import ConfigError
+
+M = CUDAGraphMode
+R = RuntimeMode
+S = GraphSupport
+CUDA = DeviceCaps("cuda", True)
+CPU = DeviceCaps.cpu()
+OPS = ("kiln::attn",)
+
+
+def plan(graph, mode=3, device=CUDA, support=S.UNIFORM_BATCH, q=1, strict=False, **kw):
+    return resolve_graph_plan(
+        CompilationConfig(mode=mode, cudagraph_mode=graph, **kw),
+        device,
+        AttentionCaps("attn", support, OPS),
+        max_num_batched_tokens=256,
+        max_num_seqs=64,
+        uniform_decode_query_len=q,
+        strict=strict,
+    )
+
+
+@pytest.mark.parametrize(
+    "graph,mode,device,support,q,expected",
+    [
+        # the field report's first failure: PIECEWISE under mode 0 was silently NONE
+        (M.PIECEWISE, 0, CUDA, S.ALWAYS, 1, M.NONE),
+        # ... and F&P under mode 0 keeps its FULL decode graphs
+        (M.FULL_AND_PIECEWISE, 0, CUDA, S.UNIFORM_BATCH, 1, M.FULL_DECODE_ONLY),
+        # FULL with a backend that cannot run mixed batches in a graph
+        (M.FULL, 3, CUDA, S.UNIFORM_BATCH, 1, M.FULL_AND_PIECEWISE),
+        (M.FULL, 0, CUDA, S.UNIFORM_BATCH, 1, M.FULL_DECODE_ONLY),
+        (M.FULL, 3, CUDA, S.NEVER, 1, M.PIECEWISE),
+        (M.FULL, 0, CUDA, S.NEVER, 1, M.NONE),
+        (M.FULL, 3, CUDA, S.ALWAYS, 1, M.FULL),
+        (M.FULL, 0, CUDA, S.ALWAYS, 3, M.FULL),
+        # single-token-decode backends cannot capture MTP's 1 + k token decode
+        (M.FULL_AND_PIECEWISE, 3, CUDA, S.UNIFORM_SINGLE_TOKEN_DECODE, 3, M.PIECEWISE),
+        (M.FULL_DECODE_ONLY, 3, CUDA, S.UNIFORM_SINGLE_TOKEN_DECODE, 3, M.NONE),
+        (M.FULL_AND_PIECEWISE, 3, CUDA, S.UNIFORM_SINGLE_TOKEN_DECODE, 1, M.FULL_AND_PIECEWISE),
+        (M.FULL_AND_PIECEWISE, 3, CUDA, S.UNIFORM_BATCH, 3, M.FULL_AND_PIECEWISE),
+        # no CUDA graphs on the CPU; mode 3 stays
+        (M.FULL_AND_PIECEWISE, 3, CPU, S.ALWAYS, 1, M.NONE),
+        (M.PIECEWISE, 3, CPU, S.NEVER, 1, M.NONE),
+    ],
+)
+def test_rules(graph, mode, device, support, q, expected):
+    p = plan(graph, mode, device, support, q)
+    assert p.cudagraph_mode is expected
+    assert p.mode == mode
+    assert bool(p.changes) == (expected is not graph)
+
+
+DEVICES = [CUDA, CPU]
+COMBOS = list(itertools.product(list(M), [0, 3], DEVICES, list(S), [1, 3]))
+
+
+@pytest.mark.parametrize("graph,mode,device,support,q", COMBOS)
+def test_every_combination(graph, mode, device, support, q, caplog):
+    p = plan(graph, mode, device, support, q)
+    decode, mixed = p.decode_mode, p.mixed_mode
+    if not device.cuda_graphs:
+        assert (decode, mixed) == (R.NONE, R.NONE)
+    if mode == 0:
+        assert R.PIECEWISE not in (decode, mixed)
+    if decode is R.FULL:
+        assert (
+            support is S.ALWAYS
+            or support is S.UNIFORM_BATCH
+            or (support is S.UNIFORM_SINGLE_TOKEN_DECODE and q == 1)
+        )
+    if mixed is R.FULL:
+        assert support is S.ALWAYS
+    if decode is not R.NONE:
+        assert p.decode_capture_sizes and all(s % q == 0 for s in p.decode_capture_sizes)
+    assert all(s <= 256 for s in p.decode_capture_sizes + p.mixed_capture_sizes)
+    assert (p.cudagraph_mode is graph) == (not p.changes)
+    with caplog.at_level(logging.INFO):
+        log_plan(p, logging.getLogger("test"))
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == len(p.changes)
+    assert all("Remedy:" in r.getMessage() for r in warnings)
+    if p.changes:
+        with pytest.raises(ConfigError, match="--strict-graphs") as info:
+            plan(graph, mode, device, support, q, strict=True)
+        assert "Remedy" in str(info.value) and graph.value in str(info.value)
+    else:
+        assert plan(graph, mode, device, support, q, strict=True) == p
+
+
+def test_capture_sizes_are_cut_and_rounded_loudly():
+    p = plan(M.FULL_AND_PIECEWISE, q=3, cudagraph_capture_sizes=(1, 2, 4, 8, 300, 512))
+    assert p.mixed_capture_sizes == (1, 2, 4, 8)  # 300, 512 exceed the 256-token budget
+    assert p.decode_capture_sizes == (3, 6, 9)  # rounded up to multiples of 3
+    reasons = " ".join(c.reason for c in p.changes)
+    assert "[300, 512]" in " ".join(c.requested for c in p.changes)
+    assert "multiples" in reasons and "budget" in reasons
+    with pytest.raises(ConfigError):
+        plan(M.FULL_AND_PIECEWISE, q=3, cudagraph_capture_sizes=(5,), strict=True)
+
+
+def test_defaults_need_no_warning():
+    cpu = resolve_graph_plan(
+        CompilationConfig(),
+        CPU,
+        AttentionCaps("attn", S.NEVER, OPS),
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+    )
+    assert (cpu.mode, cpu.cudagraph_mode, cpu.changes) == (0, M.NONE, ())
+    gpu = resolve_graph_plan(
+        CompilationConfig(),
+        CUDA,
+        AttentionCaps("attn", S.UNIFORM_BATCH, OPS),
+        max_num_batched_tokens=2048,
+        max_num_seqs=64,
+    )
+    assert (gpu.mode, gpu.cudagraph_mode) == (3, M.FULL_AND_PIECEWISE)
+    assert gpu.decode_capture_sizes[:4] == (1, 2, 4, 8) and gpu.mixed_capture_sizes[-1] == 512
+
+
+def test_enforce_eager_and_splitting_ops():
+    p = resolve_graph_plan(
+        CompilationConfig(mode=3, cudagraph_mode=M.PIECEWISE),
+        CUDA,
+        AttentionCaps("attn", S.NEVER, OPS),
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
+    assert (p.mode, p.cudagraph_mode) == (0, M.NONE) and len(p.changes) == 2
+    p = plan(M.PIECEWISE, support=S.NEVER, splitting_ops=())
+    assert p.cudagraph_mode is M.NONE and "splitting_ops" in p.changes[0].reason
+
+
+def test_config_parsing_errors():
+    assert CompilationConfig.from_json(
+        '{"mode": 3, "cudagraph_mode": "piecewise"}'
+    ) == CompilationConfig(mode=3, cudagraph_mode=M.PIECEWISE)
+    assert CompilationConfig.from_json("3").mode == 3
+    for bad, words in [
+        ('{"mode": 2}', "mode 2"),
+        ('{"cudagraph_mode": "HALF"}', "HALF"),
+        ('{"moed": 3}', "moed"),
+        ("{mode: 3}", "JSON"),
+        ('{"cudagraph_capture_sizes": [0]}', ">= 1"),
+        ("[3]", "object"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            CompilationConfig.from_json(bad)
+
+
+def test_dispatcher():
+    p = plan(M.FULL_AND_PIECEWISE, cudagraph_capture_sizes=(1, 2, 4, 8, 16))
+    d = dispatch(p, describe([1, 1, 1]))
+    assert (d.mode, d.descriptor.num_tokens, d.promised) == (R.FULL, 4, True)
+    d = dispatch(p, describe([1, 4]))
+    assert (d.mode, d.descriptor.num_tokens) == (R.PIECEWISE, 8)
+    d = dispatch(p, describe([40]))
+    assert (d.mode, d.promised) == (R.NONE, False)  # above the ladder: eager by design
+    mtp = plan(M.FULL_AND_PIECEWISE, q=3, cudagraph_capture_sizes=(3, 6, 12))
+    d = dispatch(mtp, describe([3, 3]))
+    assert (d.mode, d.descriptor) == (R.FULL, BatchDescriptor(6, 2, 3))
+    d = dispatch(mtp, describe([1, 1]))  # not uniform at 3 tokens: the mixed graphs
+    assert d.mode is R.PIECEWISE
