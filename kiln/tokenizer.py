@@ -70,6 +70,21 @@ class Tokenizer:
         )
 
 
+def word_level_tokenizer(vocab_size: int) -> Any:
+    """A tokenizer that needs no file ("w5" is token 5), for random-weight models that are fed
+    token ids: benchmarks and tests on machines without the embedded model."""
+    from tokenizers import Tokenizer as RawTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, vocab_size)}}
+    raw = RawTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>"
+    )
+
+
 def _converted_tokenizer_dir(path: str) -> str:
     st = os.stat(path)
     key = f"{os.path.abspath(path)}:{st.st_size}:{st.st_mtime_ns}"

@@ -69,13 +69,25 @@ def smollm_path() -> str:
 
 
 @pytest.fixture(scope="session")
-def tokenizer_dir(smollm_path) -> str:
-    """The embedded model's tokenizer as an HF directory (converted once, cached)."""
-    from kiln.tokenizer import _convert_gguf_tokenizer, _converted_tokenizer_dir
+def tokenizer_dir(tmp_path_factory) -> str:
+    """The embedded model's tokenizer as an HF directory (converted once, cached); where the
+    embedded model is not installed (the GPU machine), a file-less word-level tokenizer."""
+    from kiln.errors import ModelLoadError
+    from kiln.tokenizer import (
+        _convert_gguf_tokenizer,
+        _converted_tokenizer_dir,
+        word_level_tokenizer,
+    )
 
-    path = _converted_tokenizer_dir(smollm_path)
+    try:
+        gguf_path = default_model_path()
+    except ModelLoadError:
+        path = str(tmp_path_factory.mktemp("word_level"))
+        word_level_tokenizer(49152).save_pretrained(path)
+        return path
+    path = _converted_tokenizer_dir(gguf_path)
     if not os.path.isdir(path):
-        _convert_gguf_tokenizer(smollm_path, path)
+        _convert_gguf_tokenizer(gguf_path, path)
     return path
 
 

@@ -1,0 +1,157 @@
+"""Decode step time and prefill throughput per compilation / CUDA-graph configuration, side by
+side in one run, with ratios to the first configuration.
+
+    python benchmarks/graph_modes.py                      # CPU: mode 0 vs mode 3, embedded model
+    python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16   # GPU shapes
+
+On a CUDA device the default configurations are a mode-0 baseline and the five graph modes under
+mode 3; the table shows what each resolved to (the plan), so a configuration that was changed is
+visible next to its numbers."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+
+from kiln import LLM, SamplingParams
+from kiln.tokenizer import word_level_tokenizer
+
+GRAPH_MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
+
+
+def random_qwen3_0_6b(dtype: str) -> str:
+    """A random-weight model with Qwen3-0.6B's shapes (no download), saved as an HF directory."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = os.path.join(tempfile.gettempdir(), f"kiln-qwen3-0.6b-random-{dtype}")
+    if os.path.isdir(path):
+        return path
+    cfg = Qwen3Config(
+        vocab_size=151936,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=40960,
+        tie_word_embeddings=True,
+        rope_theta=1_000_000.0,
+    )
+    Qwen3ForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
+    word_level_tokenizer(cfg.vocab_size).save_pretrained(path)
+    return path
+
+
+def _decode_ms(llm: LLM, batch: int, steps: int, vocab: int) -> float:
+    eng = llm.engine
+    for i in range(batch):
+        prompt = [(7 * i + j) % (vocab - 10) + 5 for j in range(32)]
+        params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
+        eng.add_request(f"d{batch}-{i}", prompt, params)
+    pending = eng.scheduler.running + list(eng.scheduler.waiting)
+    while any(s.num_output_tokens == 0 for s in pending):  # all prefills done
+        eng.step()
+    eng.step()
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        eng.step()
+        times.append(time.perf_counter() - t)
+    while eng.has_unfinished_requests():
+        eng.step()
+    return statistics.median(times) * 1e3
+
+
+def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int) -> dict:
+    vocab = min(llm.engine.model_config.vocab_size, 49152)
+    decode = {b: _decode_ms(llm, b, steps, vocab) for b in batches}
+    params = SamplingParams(max_tokens=1)
+    llm.generate({"prompt_token_ids": [(3 * j) % 4000 + 5 for j in range(prefill_len)]}, params)
+    res = llm.generate(
+        {"prompt_token_ids": [(5 * j + 1) % 4000 + 5 for j in range(prefill_len)]}, params
+    )[0]
+    return {
+        "decode_ms": decode,
+        "prefill_tok_s": prefill_len / res.metrics.time_to_first_token,
+        "graphs": llm.engine.stats().graphs,
+    }
+
+
+def table(rows: list[dict], batches: list[int]) -> str:
+    base = rows[0]
+    head = ["config", "resolved", "boot s", *[f"decode ms b={b}" for b in batches], "prefill tok/s"]
+    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    for r in rows:
+        cells = [r["config"], r["resolved"], f"{r['boot_s']:.0f}"]
+        for b in batches:
+            ms = r["decode_ms"][b]
+            cells.append(f"{ms:.1f} ({base['decode_ms'][b] / ms:.2f}x)")
+        ratio = r["prefill_tok_s"] / base["prefill_tok_s"]
+        cells.append(f"{r['prefill_tok_s']:.0f} ({ratio:.2f}x)")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", help="a path, or qwen3-0.6b-random (default: embedded model)")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--batches", type=int, nargs="+")
+    parser.add_argument("--prefill-len", type=int)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--configs", nargs="+", help="compilation configs as JSON")
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    model = random_qwen3_0_6b(args.dtype) if args.model == "qwen3-0.6b-random" else args.model
+    if args.configs:
+        configs = args.configs
+    elif cuda:
+        configs = ['{"mode": 0, "cudagraph_mode": "NONE"}']
+        configs += [json.dumps({"mode": 3, "cudagraph_mode": m}) for m in GRAPH_MODES]
+    else:
+        configs = ['{"mode": 0}', '{"mode": 3}']
+    batches = args.batches or ([1, 8, 32, 128] if cuda else [1, 8, 32])
+    prefill_len = args.prefill_len or (2048 if cuda else 512)
+    rows = []
+    for cfg in configs:
+        t0 = time.perf_counter()
+        llm = LLM(
+            model,
+            dtype=args.dtype,
+            max_model_len=4096,
+            max_num_seqs=max(batches),
+            max_num_batched_tokens=max(prefill_len, max(batches)),
+            kv_cache_memory=None if cuda else "4GiB",
+            compilation_config=cfg,
+        )
+        boot = time.perf_counter() - t0
+        plan = llm.engine.plan
+        rows.append(
+            {
+                "config": cfg,
+                "resolved": f"mode {plan.mode} {plan.cudagraph_mode.value}",
+                "boot_s": boot,
+                **measure(llm, batches, prefill_len, args.steps),
+            }
+        )
+        del llm
+    print(table(rows, batches))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(
+                {"device": "cuda" if cuda else "cpu", "torch": torch.__version__, "rows": rows},
+                f,
+                indent=2,
+            )
+
+
+if __name__ == "__main__":
+    main()
