@@ -240,11 +240,29 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> None:
         params = params or SamplingParams()
-        if request_id in self.requests:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        text, ids = self.prepare_prompt(prompt, params)
+        self.add_prepared(request_id, text, ids, params, arrival_time)
+
+    def prepare_prompt(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and validate. Touches no engine state, so a server can call it from its
+        request handlers while the engine loop runs."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
         self._validate(ids, params)
+        return text, ids
+
+    def add_prepared(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         metrics = RequestMetrics(arrival_time or time.monotonic())
         seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, metrics)

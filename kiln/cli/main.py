@@ -81,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
 
+    from kiln.cli.serve import add_serve_parser
+
+    add_serve_parser(sub)
+
     cache = sub.add_parser("cache", help="the compile cache: list or clear its entries")
     cache.add_argument("action", choices=["ls", "clear"])
     cache.add_argument("key", nargs="?", help="clear only this entry")

@@ -1,0 +1,81 @@
+"""`kiln serve [MODEL]`: the OpenAI-compatible server on uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+from kiln.cli.engine_args import add_engine_args, engine_kwargs
+
+logger = logging.getLogger("kiln.serve")
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="the OpenAI-compatible HTTP server")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="a .gguf file or a local HF directory (default: the embedded model)",
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get("KILN_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1/* (or set KILN_API_KEY)",
+    )
+    p.add_argument("--served-model-name", help="the model id clients send (default: file name)")
+    p.add_argument(
+        "--max-waiting-requests",
+        type=int,
+        default=256,
+        help="queue bound; beyond it requests get 503 with Retry-After",
+    )
+    p.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests get to finish on SIGTERM/SIGINT",
+    )
+    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    add_engine_args(p)
+    p.set_defaults(func=run_serve)
+
+
+def _served_name(model: str | None, path: str) -> str:
+    from kiln.loader.default_model import DEFAULT_MODEL_NAME
+
+    if model is None:
+        return DEFAULT_MODEL_NAME
+    base = os.path.basename(os.path.normpath(path))
+    return base[:-5] if base.endswith(".gguf") else base
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kiln.engine import LLMEngine
+    from kiln.llm import engine_config
+    from kiln.server.app import build_app
+    from kiln.server.async_engine import AsyncEngine
+
+    logging.getLogger("kiln").setLevel(logging.INFO)
+    engine = LLMEngine(engine_config(args.model, **engine_kwargs(args)))
+    name = args.served_model_name or _served_name(args.model, engine.source.path)
+    async_engine = AsyncEngine(engine, args.max_waiting_requests)
+    app = build_app(async_engine, name, args.api_key, args.max_body_bytes)
+    config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level="info",
+        timeout_graceful_shutdown=args.shutdown_timeout,
+    )
+    server = uvicorn.Server(config)
+    logger.info("serving %s as %r on http://%s:%d", engine.source.path, name, args.host, args.port)
+    server.run()  # returns after SIGTERM/SIGINT once connections drained (or the timeout)
+    async_engine.abort_all()
+    async_engine.stop(timeout=args.shutdown_timeout)
+    return 0

@@ -1,0 +1,156 @@
+"""The engine loop on its own thread, and an asyncio face for request handlers.
+
+The engine is synchronous and owns its state; only the loop thread touches it. Handlers
+tokenize and validate in their own thread (`prepare_prompt` reads no engine state), then hand
+the request over through an inbox; outputs come back on a per-request asyncio queue."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from kiln.engine import LLMEngine
+from kiln.errors import KilnError
+from kiln.outputs import RequestOutput
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class EngineOverloaded(KilnError):
+    """The waiting queue is full; retry later."""
+
+
+class EngineStopped(KilnError):
+    """The server is shutting down."""
+
+
+@dataclass
+class _Stream:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, max_waiting_requests: int = 256) -> None:
+        self.engine = engine
+        self.max_waiting_requests = max_waiting_requests
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._pending = 0  # handed over but not yet scheduled
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._ids = itertools.count()
+        self.on_output = None  # optional callback(RequestOutput) for metrics
+        self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+        self._thread.start()
+
+    # ---- the loop thread ----------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            self._drain_inbox()
+            if not self.engine.has_unfinished_requests():
+                if self._stopping and self._inbox.empty():
+                    return
+                self._wake.wait(0.5)
+                self._wake.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # an engine bug must not hang every client
+                logger.exception("engine step failed")
+                self._fail_all(exc)
+                continue
+            for out in outputs:
+                self._deliver(out)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                request_id, text, ids, params, arrival = payload
+                with self._lock:
+                    self._pending -= 1
+                if request_id in self._streams:
+                    self.engine.add_prepared(request_id, text, ids, params, arrival)
+            elif kind == "abort":
+                self.engine.abort_request(payload)
+
+    def _deliver(self, out: RequestOutput) -> None:
+        if self.on_output is not None:
+            self.on_output(out)
+        stream = self._streams.get(out.request_id)
+        if stream is not None:
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, exc)
+
+    # ---- handler side ---------------------------------------------------------------------
+
+    @property
+    def num_waiting(self) -> int:
+        return self._pending + len(self.engine.scheduler.waiting)
+
+    def new_request_id(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
+
+    async def generate(
+        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; a consumer that stops early (a disconnect) aborts the request."""
+        if self._stopping:
+            raise EngineStopped("the server is shutting down")
+        with self._lock:
+            if self.num_waiting >= self.max_waiting_requests:
+                raise EngineOverloaded(
+                    f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})"
+                )
+            self._pending += 1
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        self._streams[request_id] = stream
+        self._inbox.put(("add", (request_id, text, ids, params, time.monotonic())))
+        self._wake.set()
+        finished = False
+        try:
+            while not finished:
+                item = await stream.queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    @property
+    def num_streams(self) -> int:
+        return len(self._streams)
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Finish what is running (new requests are refused), then end the loop thread."""
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self.abort(request_id)
