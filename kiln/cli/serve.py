@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
+import signal
+import threading
 
 from kiln.cli.engine_args import add_engine_args, engine_kwargs
 
@@ -53,6 +56,29 @@ def _served_name(model: str | None, path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
+def _graceful_server_class():
+    import uvicorn
+
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT after draining, which ends the process with a
+        signal status; kiln's drain is the intended end, so it exits 0."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            handled = (signal.SIGINT, signal.SIGTERM)
+            original = {sig: signal.signal(sig, self.handle_exit) for sig in handled}
+            try:
+                yield
+            finally:
+                for sig, handler in original.items():
+                    signal.signal(sig, handler)
+
+    return GracefulServer
+
+
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
@@ -73,7 +99,7 @@ def run_serve(args: argparse.Namespace) -> int:
         log_level="info",
         timeout_graceful_shutdown=args.shutdown_timeout,
     )
-    server = uvicorn.Server(config)
+    server = _graceful_server_class()(config)
     logger.info("serving %s as %r on http://%s:%d", engine.source.path, name, args.host, args.port)
     server.run()  # returns after SIGTERM/SIGINT once connections drained (or the timeout)
     async_engine.abort_all()

@@ -1,0 +1,324 @@
+"""The OpenAI-compatible server, driven by the real `openai` client against a real `kiln serve`
+process with the embedded model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from kiln import SamplingParams
+from tests.server_helpers import ServerProcess
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = ServerProcess("--kv-cache-memory", "512MiB", "--max-num-seqs", "64", api_key=KEY)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base + "/v1", api_key=KEY, max_retries=0)
+
+
+def _engine(server) -> dict:
+    return httpx.get(server.base + "/v1/engine", headers={"Authorization": f"Bearer {KEY}"}).json()
+
+
+def test_open_endpoints(server):
+    assert httpx.get(server.base + "/health").status_code == 200
+    assert "version" in httpx.get(server.base + "/version").json()
+    metrics = httpx.get(server.base + "/metrics").text
+    for name in (
+        "kiln_requests_total",
+        "kiln_time_to_first_token_seconds",
+        "kiln_steps_total",
+        "kiln_graph_misses_total",
+        "kiln_kv_cache_usage_ratio",
+        "kiln_prefix_cache_hit_rate",
+        "kiln_num_preemptions_total",
+    ):
+        assert name in metrics
+
+
+def test_models_and_engine(client, server):
+    (model,) = client.models.list().data
+    assert model.id == MODEL and model.owned_by == "kiln"
+    assert model.max_model_len == 8192 and model.root.endswith(".gguf")
+    info = _engine(server)
+    assert info["graph_plan"]["cudagraph_mode"] == "NONE" and info["max_model_len"] == 8192
+
+
+def test_chat_and_completion(client):
+    chat = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=24,
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    assert "Paris" in chat.choices[0].message.content
+    assert chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == 8 and chat.usage.prompt_tokens == 37
+    comp = client.completions.create(model=MODEL, prompt="1 + 1 =", temperature=0, max_tokens=4)
+    assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 4
+
+
+def test_greedy_matches_the_offline_api(client, smollm_llm):
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
+    offline = smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=16))
+    for prompt, ref in zip(prompts, offline):
+        got = client.completions.create(model=MODEL, prompt=prompt, temperature=0, max_tokens=16)
+        assert got.choices[0].text == ref.outputs[0].text
+
+
+def test_streaming_with_usage(client):
+    stream = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=24,
+        stream=True,
+        stream_options={"include_usage": True},
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
+    chunks = list(stream)
+    *body, last = chunks
+    assert last.choices == [] and last.usage.completion_tokens == 8
+    assert all(c.usage is None for c in body)
+    assert body[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in body)
+    assert text == "The capital of France is Paris."
+    assert body[-1].choices[0].finish_reason == "stop"
+
+
+def test_n_stop_seed_logprobs(client):
+    many = client.completions.create(
+        model=MODEL, prompt="My favourite animal is", n=3, temperature=1.0, seed=7, max_tokens=8
+    )
+    assert sorted(c.index for c in many.choices) == [0, 1, 2]
+    again = client.completions.create(
+        model=MODEL, prompt="My favourite animal is", n=3, temperature=1.0, seed=7, max_tokens=8
+    )
+    assert [c.text for c in again.choices] == [c.text for c in many.choices]
+    stopped = client.completions.create(
+        model=MODEL, prompt="The capital of France is", temperature=0, max_tokens=16, stop=["."]
+    )
+    assert "." not in stopped.choices[0].text and stopped.choices[0].finish_reason == "stop"
+    lp = client.chat.completions.create(
+        model=MODEL,
+        temperature=0,
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        messages=[{"role": "user", "content": "Hi"}],
+    )
+    content = lp.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(t.top_logprobs) == 2 for t in content)
+    assert content[0].logprob <= 0 and content[0].top_logprobs[0].logprob >= content[0].logprob
+    clp = client.completions.create(model=MODEL, prompt="Hi", max_tokens=2, logprobs=3)
+    assert len(clp.choices[0].logprobs.tokens) == 2
+
+
+def test_cached_tokens(client):
+    prompt = "A fresh prompt about lighthouses and the sea, " * 6
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_tokenize_detokenize(server):
+    h = {"Authorization": f"Bearer {KEY}"}
+    tok = httpx.post(server.base + "/tokenize", json={"prompt": "Hello world"}, headers=h).json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    text = httpx.post(server.base + "/detokenize", json={"tokens": tok["tokens"]}, headers=h).json()
+    assert text["prompt"] == "Hello world"
+
+
+def test_64_concurrent_streams(server, smollm_llm):
+    prompts = [f"Count from {i} to {i + 5}:" for i in range(64)]
+    expected = [
+        o.outputs[0].text
+        for o in smollm_llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12))
+    ]
+
+    async def one(aclient, prompt):
+        stream = await aclient.completions.create(
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=12, stream=True
+        )
+        return "".join([c.choices[0].text async for c in stream])
+
+    async def run_all():
+        aclient = openai.AsyncOpenAI(
+            base_url=server.base + "/v1", api_key=KEY, max_retries=0, timeout=300
+        )
+        return await asyncio.gather(*(one(aclient, p) for p in prompts))
+
+    assert asyncio.run(run_all()) == expected
+    stats = _engine(server)
+    assert stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_disconnect_frees_blocks(server, client):
+    body = {
+        "model": MODEL,
+        "prompt": "Tell me a very long story.",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    h = {"Authorization": f"Bearer {KEY}"}
+    with httpx.stream(
+        "POST", server.base + "/v1/completions", json=body, headers=h, timeout=60
+    ) as resp:
+        lines = resp.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data:") for line in got)
+        assert _engine(server)["num_free_blocks"] < _engine(server)["num_blocks"]
+    other = client.completions.create(model=MODEL, prompt="Hello", temperature=0, max_tokens=4)
+    assert other.usage.completion_tokens == 4
+    info = _engine(server)
+    assert info["num_free_blocks"] == info["num_blocks"]
+    assert info["stats"]["num_running"] == 0
+
+
+BAD = [
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "top_p": 5}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "temperature": "hot"}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x " * 9000}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 9000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10**9]}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-5", "prompt": "x"}, 404, "model"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages",
+    ),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}, 400, "messages"),
+    (
+        "/v1/chat/completions",
+        {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "presence_penalty": 9},
+        400,
+        "presence_penalty",
+    ),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input(server, path, body, status, param):
+    h = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server.base + path, json=body, headers=h, timeout=60)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert param in (err["param"] or "") or param in err["message"]
+
+
+def test_malformed_auth_and_size(server):
+    r = httpx.post(
+        server.base + "/v1/completions",
+        content=b"{not json",
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
+    assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
+    r = httpx.post(server.base + "/v1/completions", json={"model": MODEL, "prompt": "x"})
+    assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    r = httpx.post(
+        server.base + "/v1/completions",
+        json={"model": MODEL, "prompt": "x"},
+        headers={"Authorization": "Bearer wrong"},
+    )
+    assert r.status_code == 401
+    big = json.dumps({"model": MODEL, "prompt": "x" * (9 * 2**20)})
+    r = httpx.post(
+        server.base + "/v1/completions",
+        content=big,
+        headers={"Authorization": f"Bearer {KEY}", "content-type": "application/json"},
+    )
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+    assert httpx.get(server.base + "/health").status_code == 200  # still serving
+
+
+def test_overload_and_graceful_shutdown():
+    import signal
+    import threading
+
+    srv = ServerProcess(
+        "--kv-cache-memory",
+        "512MiB",
+        "--max-num-seqs",
+        "2",
+        "--max-waiting-requests",
+        "2",
+        "--shutdown-timeout",
+        "60",
+    )
+    try:
+
+        async def flood():
+            aclient = openai.AsyncOpenAI(
+                base_url=srv.base + "/v1", api_key="x", max_retries=0, timeout=120
+            )
+
+            async def one():
+                try:
+                    await aclient.completions.create(
+                        model=MODEL, prompt="Hi", max_tokens=24, extra_body={"ignore_eos": True}
+                    )
+                    return 200
+                except openai.APIStatusError as exc:
+                    assert exc.response.headers.get("retry-after")
+                    return exc.status_code
+
+            return await asyncio.gather(*(one() for _ in range(12)))
+
+        codes = asyncio.run(flood())
+        assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+        # SIGTERM in the middle of a stream: the stream completes, the process exits 0
+        texts: list[str] = []
+        started = threading.Event()
+
+        def consume():
+            with httpx.stream(
+                "POST",
+                srv.base + "/v1/completions",
+                timeout=120,
+                json={
+                    "model": MODEL,
+                    "prompt": "Tell me a story",
+                    "max_tokens": 40,
+                    "ignore_eos": True,
+                    "stream": True,
+                },
+            ) as resp:
+                for line in resp.iter_lines():
+                    if line.startswith("data:"):
+                        started.set()
+                        texts.append(line)
+
+        reader = threading.Thread(target=consume)
+        reader.start()
+        assert started.wait(60)
+        srv.proc.send_signal(signal.SIGTERM)
+        reader.join(120)
+        assert texts[-1] == "data: [DONE]"
+        assert json.loads(texts[-2][5:])["choices"][0]["finish_reason"] == "length"
+        assert srv.proc.wait(60) == 0
+    finally:
+        srv.stop()
