@@ -53,6 +53,7 @@ class Tokenizer:
         return bool(getattr(self.hf, "chat_template", None))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        _check_unicode(text, "prompt")
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
@@ -65,9 +66,22 @@ class Tokenizer:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt (or use --raw)", "messages"
             )
+        for m in messages:
+            if isinstance(m.get("content"), str):
+                _check_unicode(m["content"], "messages")
         return self.hf.apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt
         )
+
+
+def _check_unicode(text: str, param: str) -> None:
+    """JSON can carry lone UTF-16 surrogates ("\\ud8a2") that no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidRequestError(
+            f"{param} is not valid Unicode: {exc.reason} at position {exc.start}", param
+        ) from None
 
 
 def word_level_tokenizer(vocab_size: int) -> Any:

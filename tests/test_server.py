@@ -217,6 +217,8 @@ BAD = [
         "presence_penalty",
     ),
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "lone \ud8a2 surrogate"}, 400, "prompt"),
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "one of"),
 ]
 
 

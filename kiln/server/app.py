@@ -223,13 +223,12 @@ def build_app(
         max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
         prepared = []
         for text, ids in prompts:
-            limit = max_tokens or max(
-                1, core.max_model_len - len(ids or core.tokenizer.encode(text))
-            )
+            if ids is None:
+                ids = core.tokenizer.encode(text)
+            # like vLLM: no max_tokens means "up to the context length"
+            limit = max_tokens or max(1, core.max_model_len - len(ids))
             params = body.sampling_params(limit, logprobs)
-            prepared.append(
-                (*core.prepare_prompt(ids if ids is not None else text, params), params)
-            )
+            prepared.append((text, core.prepare_prompt(ids, params)[1], params))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         rid = engine.new_request_id(prefix)
         builder = ResponseBuilder(kind, rid, served_model_name)
