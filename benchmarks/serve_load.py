@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import time
@@ -22,7 +23,7 @@ def pct(values: list[float], p: float) -> float:
     if not values:
         return float("nan")
     s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
 async def one(client, model: str, i: int, max_tokens: int) -> dict:
@@ -41,7 +42,7 @@ async def one(client, model: str, i: int, max_tokens: int) -> dict:
             stamps.append(time.perf_counter())
     return {
         "ttft": stamps[0] - t0,
-        "itl": [b - a for a, b in zip(stamps, stamps[1:])],
+        "itl": [b - a for a, b in itertools.pairwise(stamps)],
         "tokens": max_tokens,
         "end": stamps[-1],
     }
