@@ -224,8 +224,9 @@ BAD = [
 
 @pytest.mark.parametrize("path,body,status,param", BAD)
 def test_bad_input(server, path, body, status, param):
-    h = {"Authorization": f"Bearer {KEY}"}
-    r = httpx.post(server.base + path, json=body, headers=h, timeout=60)
+    h = {"Authorization": f"Bearer {KEY}", "content-type": "application/json"}
+    # json.dumps escapes non-ASCII (a lone surrogate too), as JavaScript clients do
+    r = httpx.post(server.base + path, content=json.dumps(body), headers=h, timeout=60)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
