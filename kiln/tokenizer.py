@@ -66,12 +66,21 @@ class Tokenizer:
             raise InvalidRequestError(
                 "this model has no chat template; send a plain prompt (or use --raw)", "messages"
             )
+        if not messages:
+            raise InvalidRequestError("messages is empty; send at least one message", "messages")
         for m in messages:
             if isinstance(m.get("content"), str):
                 _check_unicode(m["content"], "messages")
-        return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
+        from jinja2 import TemplateError
+
+        try:
+            return self.hf.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            )
+        except TemplateError as exc:  # templates raise on e.g. roles out of order
+            raise InvalidRequestError(
+                f"the chat template rejected the messages: {exc}", "messages"
+            ) from None
 
 
 def _check_unicode(text: str, param: str) -> None:

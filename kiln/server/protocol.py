@@ -99,7 +99,7 @@ class ChatCompletionRequest(_Sampling):
 class TokenizeRequest(_Request):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")
