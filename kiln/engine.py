@@ -300,7 +300,8 @@ class LLMEngine:
     ) -> Sequence:
         generator = None
         if params.seed is not None:
-            generator = torch.Generator(self.device).manual_seed(params.seed + index)
+            # any int64 seed, and seed + index for the n-th completion, maps into torch's range
+            generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**63)
         detok = IncrementalDetokenizer(
             self.tokenizer.backend,
             params.stop,

@@ -23,6 +23,7 @@ from kiln.errors import ConfigError
         ({"repetition_penalty": 0}, "repetition_penalty"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"stop": [""]}, "stop"),
+        ({"seed": 2**64}, "seed"),
     ],
 )
 def test_sampling_params_errors(kwargs, field):
