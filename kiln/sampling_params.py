@@ -80,6 +80,11 @@ class SamplingParams:
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})",
             ),
             (
+                self.seed is None or -(2**63) <= self.seed < 2**63,
+                "seed",
+                f"seed must fit in a signed 64-bit integer, got {self.seed}",
+            ),
+            (
                 self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                 "logprobs",
                 f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}",
