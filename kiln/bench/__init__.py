@@ -1,0 +1,1 @@
+"""`kiln bench`: the context benchmark (trial metrics and validity so far)."""

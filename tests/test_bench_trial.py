@@ -1,0 +1,108 @@
+"""Trial metrics and validity on recorded streams, against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from kiln.bench.trial import StreamRecord, invalid_reasons, percentile, trial_metrics
+
+_STORY = (
+    "the keeper climbed the stairs at dusk and lit the lamp while gulls wheeled over a "
+    "grey sea that had swallowed three ships in as many winters "
+)
+PROSE = _STORY.split()
+
+
+def _record(**kw) -> StreamRecord:
+    # 5 text chunks at 1.0, 1.1, 1.3, 1.4, 2.0 s after a send at 0.0 s
+    times = [1.0, 1.1, 1.3, 1.4, 2.0]
+    chunks = kw.pop("chunks", [(t, f" {w}") for t, w in zip(times, PROSE)])
+    base = dict(
+        start=0.0,
+        chunks=chunks,
+        prompt_tokens=1000,
+        completion_tokens=5,
+        cached_tokens=0,
+        expected_output_tokens=5,
+        target_prompt_tokens=1024,
+        tolerance_percent=11.0,
+    )
+    return StreamRecord(**{**base, **kw})
+
+
+def test_metrics_by_hand():
+    m = trial_metrics(_record())
+    assert m.ttft == 1.0 and m.e2e == 2.0
+    assert m.prefill_tok_s == 1000.0  # 1000 prompt tokens / 1.0 s
+    assert math.isclose(m.generation_tok_s, 4 / 1.0)  # 4 tokens after the first, in 1.0 s
+    assert math.isclose(m.tpot, (2.0 - 1.0) / 4)
+    assert [round(x, 6) for x in m.itl] == [0.1, 0.2, 0.1, 0.6]
+    assert math.isclose(m.mean_itl, 0.25)
+    p = m.itl_percentiles()
+    assert math.isclose(p["p50"], 0.15)  # between 0.1 and 0.2
+    assert math.isclose(p["p90"], 0.2 + 0.7 * 0.4)  # rank 2.7 of [0.1, 0.1, 0.2, 0.6]
+
+
+def test_percentile_edges():
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+    assert percentile([1, 2, 3, 4, 5], 50) == 3
+
+
+def test_valid_trial_has_no_reasons():
+    assert invalid_reasons(_record()) == []
+
+
+@pytest.mark.parametrize(
+    "changes,reason",
+    [
+        ({"error": "HTTP 500"}, "request_failed"),
+        ({"completion_tokens": 4}, "output_length_mismatch"),
+        ({"prompt_tokens": None}, "prompt_tokens_not_reported"),
+        ({"prompt_tokens": 900}, "prompt_tokens_outside_tolerance"),  # 12.1% below 1024
+        ({"cached_tokens": 16}, "prompt_cache_hit"),
+        ({"chunks": [(1.0, " hello")]}, "too_few_text_tokens"),
+        (
+            {
+                "chunks": [(1.0 + i / 10, " the") for i in range(40)],
+                "completion_tokens": 40,
+                "expected_output_tokens": 40,
+            },
+            "low_unique_token_ratio",
+        ),
+        (
+            {
+                "chunks": [(1.0 + i / 10, " the" if i % 4 else " sea") for i in range(40)],
+                "completion_tokens": 40,
+                "expected_output_tokens": 40,
+            },
+            "one_token_dominates",
+        ),
+        (
+            {
+                "chunks": [(1.0 + i / 100, " lamp keeper") for i in range(100)],
+                "completion_tokens": 200,
+                "expected_output_tokens": 200,
+            },
+            "highly_compressible_repetition",
+        ),
+        (
+            {
+                "chunks": [(1.0, " ".join(PROSE[:10])), (2.0, " ".join(PROSE[10:20]))],
+                "completion_tokens": 20,
+                "expected_output_tokens": 20,
+            },
+            "stream_not_incremental",
+        ),
+    ],
+)
+def test_each_invalid_reason(changes, reason):
+    reasons = invalid_reasons(_record(**changes))
+    assert reason in reasons
+
+
+def test_tolerance_boundary():
+    assert "prompt_tokens_outside_tolerance" not in invalid_reasons(_record(prompt_tokens=912))
+    assert "prompt_tokens_outside_tolerance" in invalid_reasons(_record(prompt_tokens=911))
