@@ -36,7 +36,7 @@ class SamplingBatch:
         )
         return cls(
             temperature=column([p.temperature for p in ps]),
-            top_k=column([p.top_k or vocab_size for p in ps], torch.long)
+            top_k=column([min(p.top_k or vocab_size, vocab_size) for p in ps], torch.long)
             if any(p.top_k for p in ps)
             else None,
             top_p=column([p.top_p for p in ps]) if any(p.top_p < 1 for p in ps) else None,

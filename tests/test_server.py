@@ -219,6 +219,7 @@ BAD = [
     ("/detokenize", {"tokens": [-1]}, 400, "tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "lone \ud8a2 surrogate"}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "one of"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
 ]
 
 
