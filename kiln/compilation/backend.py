@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +43,6 @@ class CompileStats:
     splitting_op_calls: int = 0  # splitting-op nodes in the last graph
     warmed_up: bool = False
     recompilations: int = 0
-    recompile_reasons: list[str] = field(default_factory=list)
 
 
 class _Piece(torch.nn.Module):

@@ -7,7 +7,6 @@ import json
 import logging
 import secrets
 from collections.abc import AsyncIterator
-from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -333,7 +332,3 @@ async def _sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator
             t.cancel()
         for s in streams:
             await s.aclose()
-
-
-def dump_openapi(app: FastAPI) -> dict[str, Any]:
-    return app.openapi()

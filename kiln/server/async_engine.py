@@ -141,10 +141,6 @@ class AsyncEngine:
         self._inbox.put(("abort", request_id))
         self._wake.set()
 
-    @property
-    def num_streams(self) -> int:
-        return len(self._streams)
-
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running (new requests are refused), then end the loop thread."""
         self._stopping = True
