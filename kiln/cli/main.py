@@ -85,6 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)
 
+    from kiln.cli.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
     cache = sub.add_parser("cache", help="the compile cache: list or clear its entries")
     cache.add_argument("action", choices=["ls", "clear"])
     cache.add_argument("key", nargs="?", help="clear only this entry")

@@ -10,8 +10,35 @@ import signal
 import threading
 
 from kiln.cli.engine_args import add_engine_args, engine_kwargs
+from kiln.errors import ConfigError
 
 logger = logging.getLogger("kiln.serve")
+
+SERVE_DEFAULTS = {
+    "host": "127.0.0.1",
+    "port": 8000,
+    "max_waiting_requests": 256,
+    "shutdown_timeout": 30.0,
+    "max_body_bytes": 8 * 2**20,
+}
+
+
+def resolve_serve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Flags given on the command line win over the profile, which wins over the defaults."""
+    merged = dict(SERVE_DEFAULTS)
+    if args.profile:
+        from kiln.profiles import load_profile
+
+        profile = load_profile(args.profile)
+        if profile.engine != "kiln":
+            raise ConfigError(f"profile {profile.name!r} launches another engine, not kiln serve")
+        merged |= profile.serve_defaults()
+        if args.model is None and profile.model is not None:
+            args.model = profile.model
+    for key, value in merged.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args
 
 
 def add_serve_parser(sub) -> None:
@@ -22,8 +49,8 @@ def add_serve_parser(sub) -> None:
         default=None,
         help="a .gguf file or a local HF directory (default: the embedded model)",
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", help=f"default {SERVE_DEFAULTS['host']}")
+    p.add_argument("--port", type=int, help=f"default {SERVE_DEFAULTS['port']}")
     p.add_argument(
         "--api-key",
         default=os.environ.get("KILN_API_KEY"),
@@ -33,16 +60,19 @@ def add_serve_parser(sub) -> None:
     p.add_argument(
         "--max-waiting-requests",
         type=int,
-        default=256,
-        help="queue bound; beyond it requests get 503 with Retry-After",
+        help="queue bound; beyond it requests get 503 with Retry-After (default 256)",
     )
     p.add_argument(
         "--shutdown-timeout",
         type=float,
-        default=30.0,
-        help="seconds running requests get to finish on SIGTERM/SIGINT",
+        help="seconds running requests get to finish on SIGTERM/SIGINT (default 30)",
     )
-    p.add_argument("--max-body-bytes", type=int, default=8 * 2**20)
+    p.add_argument("--max-body-bytes", type=int, help="request size limit (default 8 MiB)")
+    p.add_argument(
+        "--profile",
+        help="a launcher profile (shipped name or .toml path) that sets every serving option; "
+        "flags given here override it",
+    )
     add_engine_args(p)
     p.set_defaults(func=run_serve)
 
@@ -87,6 +117,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from kiln.server.app import build_app
     from kiln.server.async_engine import AsyncEngine
 
+    args = resolve_serve_args(args)
     logging.getLogger("kiln").setLevel(logging.INFO)
     engine = LLMEngine(engine_config(args.model, **engine_kwargs(args)))
     name = args.served_model_name or _served_name(args.model, engine.source.path)

@@ -172,6 +172,8 @@ def build_app(
                 "graph_support": core.attn_backend.graph_support.value,
             },
             "graph_plan": core.plan.to_dict(),
+            "boot": dict(core.boot_phases),
+            "capture": core.capture_stats(),
             "stats": {**vars(st), "prefix_cache_hit_rate": st.prefix_cache_hit_rate},
             "num_blocks": st.num_blocks,
             "num_free_blocks": st.num_free_blocks,

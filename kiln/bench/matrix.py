@@ -1,0 +1,138 @@
+"""`kiln bench matrix`: one fresh server per configuration (its own process, its own empty
+compile cache), the same probes and suite against each, one side-by-side table."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from kiln.bench.client import BenchError, OpenAIClient
+from kiln.bench.launcher import (
+    external_command,
+    free_port,
+    kiln_serve_command,
+    launch,
+    server_env,
+)
+from kiln.bench.runner import BenchSettings, RunResult, run_benchmark
+from kiln.compilation.config import CUDAGraphMode
+from kiln.profiles import Profile, load_profile
+
+
+def matrix_profiles(
+    configs: list[str], cudagraph_modes: list[str] | None, base: str | None
+) -> list[Profile]:
+    """Profiles named on the command line, or one per graph mode derived from `base`."""
+    if cudagraph_modes:
+        if configs:
+            raise BenchError("give either --configs or --cudagraph-modes, not both")
+        base_profile = load_profile(base or "smollm2-compiled")
+        return [_with_graph_mode(base_profile, m) for m in cudagraph_modes]
+    if len(configs) < 1:
+        raise BenchError("name at least one configuration: --configs a.toml b.toml ...")
+    profiles = [load_profile(c) for c in configs]
+    names = [p.name for p in profiles]
+    if len(set(names)) != len(names):
+        raise BenchError(f"configuration names must differ, got {names}")
+    return profiles
+
+
+def _with_graph_mode(profile: Profile, mode: str) -> Profile:
+    valid = [m.value for m in CUDAGraphMode]
+    if mode not in valid:
+        raise BenchError(f"unknown cudagraph mode {mode!r}; valid: {', '.join(valid)}")
+    if profile.engine != "kiln":
+        raise BenchError(f"--cudagraph-modes needs a kiln profile, {profile.name!r} is external")
+    compilation = dict(profile.serve.get("compilation_config", {})) | {"cudagraph_mode": mode}
+    return profile.with_serve(f"{profile.name}:{mode}", compilation_config=compilation)
+
+
+def run_matrix(
+    profiles: list[Profile],
+    model: str | None,
+    settings: BenchSettings,
+    out_dir: str,
+    boot_timeout: float = 900,
+    show_progress: bool = True,
+) -> list[RunResult]:
+    os.makedirs(out_dir, exist_ok=True)
+    fallback_probes = next((p.probes for p in profiles if p.probes), ())
+    results = []
+    for profile in profiles:
+        probes = profile.probes or fallback_probes  # one model, so one probe set
+        results.append(
+            _run_one(profile, model, settings, out_dir, boot_timeout, probes, show_progress)
+        )
+    return results
+
+
+def _run_one(
+    profile: Profile,
+    model: str | None,
+    settings: BenchSettings,
+    out_dir: str,
+    boot_timeout: float,
+    probes,
+    show_progress: bool,
+) -> RunResult:
+    port = free_port()
+    is_kiln = profile.engine == "kiln"
+    cache_dir = tempfile.mkdtemp(prefix="kiln-bench-cache-") if is_kiln else None
+    build = kiln_serve_command if is_kiln else external_command
+    command = build(profile, port, model)
+    log_path = os.path.join(out_dir, f"server-{_safe(profile.name)}.log")
+    try:
+        server = launch(command, port, log_path, server_env(cache_dir), boot_timeout)
+        try:
+            result = asyncio.run(_bench(server.base_url, profile, settings, probes, show_progress))
+        finally:
+            exit_code = server.stop()
+    finally:
+        if cache_dir is not None:
+            shutil.rmtree(cache_dir, ignore_errors=True)
+    result.server |= {
+        "boot_s": server.boot_s,
+        "command": command,
+        "log": log_path,
+        "exit_code": exit_code,
+        "fresh_compile_cache": cache_dir,
+    }
+    return result
+
+
+async def _bench(
+    base_url: str, profile: Profile, settings: BenchSettings, probes, show_progress: bool
+) -> RunResult:
+    client = OpenAIClient(base_url, model="")
+    try:
+        client.model = await served_model(client)
+        info = await engine_info(client)
+        result = await run_benchmark(client, settings, profile.name, probes, show_progress)
+        result.server = info
+        return result
+    finally:
+        await client.aclose()
+
+
+async def served_model(client: OpenAIClient) -> str:
+    data = await client.get_json("/v1/models")
+    models = (data or {}).get("data") or []
+    if not models:
+        raise BenchError(f"{client.base_url}/v1/models lists no model")
+    return str(models[0]["id"])
+
+
+async def engine_info(client: OpenAIClient) -> dict[str, Any]:
+    """kiln's /v1/engine: the graph plan, boot phases and capture numbers (other servers: {})."""
+    data = await client.get_json("/v1/engine")
+    if not data:
+        return {}
+    keys = ("graph_plan", "boot", "capture", "attention_backend", "device", "dtype")
+    return {k: data[k] for k in keys if k in data}
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)

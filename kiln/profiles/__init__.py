@@ -1,0 +1,150 @@
+"""Launcher profiles: TOML files that fix every serving parameter of a configuration, so two
+benchmark rows differ in exactly the settings their profiles differ in.
+
+A profile names a model (`"default"` is the embedded one), a `[serve]` table with `kiln serve`'s
+option names, and the `[[probes]]` that model is known to answer. A profile whose `engine` is
+`"external"` launches another server (llama.cpp, vLLM) from its `command` instead.
+Shipped profiles live beside this file; `kiln serve --profile NAME` and `kiln bench` accept
+either a shipped name or a path to a .toml file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+PROFILE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+# `kiln serve` options a profile may set, with how each becomes a command-line flag.
+SERVE_KEYS: dict[str, type] = {
+    "max_model_len": int,
+    "max_num_seqs": int,
+    "max_num_batched_tokens": int,
+    "block_size": int,
+    "kv_cache_memory": str,
+    "kv_cache_memory_fraction": float,
+    "enable_prefix_caching": bool,
+    "dtype": str,
+    "device": str,
+    "seed": int,
+    "compilation_config": dict,
+    "enforce_eager": bool,
+    "strict_graphs": bool,
+    "max_waiting_requests": int,
+    "shutdown_timeout": float,
+    "max_body_bytes": int,
+    "served_model_name": str,
+    "host": str,
+}
+
+
+@dataclass(frozen=True)
+class Probe:
+    prompt: str
+    expect: str  # the answer must contain this (case-insensitive)
+    max_tokens: int = 24
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    path: str
+    description: str = ""
+    model: str | None = None  # None: the embedded model
+    engine: str = "kiln"  # or "external"
+    serve: dict[str, Any] = field(default_factory=dict)
+    command: tuple[str, ...] = ()  # external engines: argv with {model} {port} {python}
+    probes: tuple[Probe, ...] = ()
+
+    def serve_defaults(self) -> dict[str, Any]:
+        """The [serve] table as argparse destinations (compilation_config as JSON)."""
+        out = dict(self.serve)
+        if "compilation_config" in out:
+            out["compilation_config"] = json.dumps(out["compilation_config"])
+        return out
+
+    def with_serve(self, name: str, **overrides: Any) -> Profile:
+        return dataclasses.replace(self, name=name, serve={**self.serve, **overrides})
+
+
+def shipped_profiles() -> list[str]:
+    return sorted(f[:-5] for f in os.listdir(PROFILE_DIR) if f.endswith(".toml"))
+
+
+def profile_path(name_or_path: str) -> str:
+    if name_or_path.endswith(".toml") or os.sep in name_or_path:
+        if not os.path.isfile(name_or_path):
+            raise ConfigError(f"profile file {name_or_path!r} does not exist")
+        return name_or_path
+    path = os.path.join(PROFILE_DIR, name_or_path + ".toml")
+    if not os.path.isfile(path):
+        raise ConfigError(
+            f"unknown profile {name_or_path!r}: shipped profiles are "
+            f"{', '.join(shipped_profiles())}, or pass a path to a .toml file"
+        )
+    return path
+
+
+def load_profile(name_or_path: str) -> Profile:
+    path = profile_path(name_or_path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"profile {path} is not valid TOML: {exc}") from None
+    return _profile_from_dict(data, path)
+
+
+def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
+    known = {"name", "description", "model", "engine", "serve", "command", "probes"}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"profile {path}: unknown keys {unknown}; known: {sorted(known)}")
+    engine = data.get("engine", "kiln")
+    if engine not in ("kiln", "external"):
+        raise ConfigError(f"profile {path}: engine must be 'kiln' or 'external', got {engine!r}")
+    command = tuple(str(a) for a in data.get("command", ()))
+    if engine == "external" and not command:
+        raise ConfigError(f"profile {path}: an external engine needs a `command` list")
+    model = data.get("model", "default")
+    return Profile(
+        name=str(data.get("name") or os.path.basename(path)[:-5]),
+        path=os.path.abspath(path),
+        description=str(data.get("description", "")),
+        model=None if model == "default" else str(model),
+        engine=engine,
+        serve=_check_serve(data.get("serve", {}), path) if engine == "kiln" else {},
+        command=command,
+        probes=tuple(_probe(p, path) for p in data.get("probes", ())),
+    )
+
+
+def _check_serve(serve: dict[str, Any], path: str) -> dict[str, Any]:
+    for key, value in serve.items():
+        if key not in SERVE_KEYS:
+            raise ConfigError(
+                f"profile {path}: [serve] has unknown option {key!r}; known: {sorted(SERVE_KEYS)}"
+            )
+        want = SERVE_KEYS[key]
+        ok = isinstance(value, want) or (want is float and isinstance(value, int))
+        if not ok or (want is int and isinstance(value, bool)):
+            raise ConfigError(
+                f"profile {path}: [serve] {key} must be {want.__name__}, got {value!r}"
+            )
+    return dict(serve)
+
+
+def _probe(raw: dict[str, Any], path: str) -> Probe:
+    if not isinstance(raw, dict) or "prompt" not in raw or "expect" not in raw:
+        raise ConfigError(f"profile {path}: each [[probes]] needs `prompt` and `expect`")
+    return Probe(str(raw["prompt"]), str(raw["expect"]), int(raw.get("max_tokens", 24)))
