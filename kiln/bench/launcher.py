@@ -28,11 +28,17 @@ def kiln_serve_command(profile: Profile, port: int, model: str | None) -> list[s
 
 
 def external_command(profile: Profile, port: int, model: str | None) -> list[str]:
-    """Fills {python}, {port} and {model} (the model's file; the embedded one by default)."""
+    """Fills {python}, {port}, {cpus} and {model} (the model's file; the embedded one by
+    default)."""
     from kiln.loader.default_model import default_model_path
 
     path = model or profile.model or default_model_path()
-    values = {"python": sys.executable, "port": str(port), "model": path}
+    values = {
+        "python": sys.executable,
+        "port": str(port),
+        "model": path,
+        "cpus": str(os.cpu_count() or 1),
+    }
     return [arg.format(**values) for arg in profile.command]
 
 

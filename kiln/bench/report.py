@@ -110,6 +110,11 @@ def _run_notes(run: RunResult) -> list[str]:
         )
     if run.count_method:
         lines.append(f"- prompt tokens counted by: {run.count_method}")
+    if any(t.record.usage_source == "client" for t in run.trials):
+        lines.append(
+            "- the server's streams carried no `usage`: prompt tokens counted as above, "
+            "completion tokens = streamed text chunks"
+        )
     for p in run.probes:
         mark = "pass" if p.passed else "FAIL"
         lines.append(f"- probe {mark}: {p.prompt!r} expects {p.expect!r}, got {p.answer!r}")

@@ -159,7 +159,7 @@ async def _performance_lane(
                 result.prompts.append(prompt)
                 for conc in settings.concurrency:
                     for rep in range(settings.repetitions):
-                        await _round(client, settings, result, prompt, conc, rep, tags)
+                        await _round(client, counter, settings, result, prompt, conc, rep, tags)
                         bar.update(conc)
 
 
@@ -187,6 +187,7 @@ async def _warm_up(client: OpenAIClient, suite: str, tags: _TagSource) -> None:
 
 async def _round(
     client: OpenAIClient,
+    counter: TokenCounter,
     settings: BenchSettings,
     result: RunResult,
     prompt: BenchPrompt,
@@ -197,8 +198,13 @@ async def _round(
     n_out = settings.output_tokens
 
     async def one(slot: int, attempt: int) -> Trial:
-        res = await client.stream_chat(prompt.messages(tags.take()), n_out, settings.ignore_eos)
-        rec = _record(res, prompt, settings)
+        messages = prompt.messages(tags.take())
+        res = await client.stream_chat(messages, n_out, settings.ignore_eos)
+        source = "server"
+        if res.usage is None and res.error is None:
+            res.usage = await _client_usage(counter, messages, res)
+            source = "client"
+        rec = _record(res, prompt, settings, source)
         key = (prompt.suite, prompt.target_tokens, conc, rep, slot, attempt)
         return Trial(*key, rec, trial_metrics(rec), invalid_reasons(rec))
 
@@ -225,7 +231,16 @@ async def _round(
             result.trials.append(trial)
 
 
-def _record(res: StreamResult, prompt: BenchPrompt, settings: BenchSettings) -> StreamRecord:
+async def _client_usage(counter: TokenCounter, messages, res: StreamResult) -> dict[str, int]:
+    """For servers whose streams carry no usage (llama-cpp-python): the prompt counted the way
+    every prompt here is sized, and one completion token per streamed text chunk (exact for
+    servers that stream token by token, as llama.cpp does). Trials record the source."""
+    return {"prompt_tokens": await counter.count(messages), "completion_tokens": len(res.chunks)}
+
+
+def _record(
+    res: StreamResult, prompt: BenchPrompt, settings: BenchSettings, usage_source: str
+) -> StreamRecord:
     usage = res.usage or {}
     details = usage.get("prompt_tokens_details") or {}
     return StreamRecord(
@@ -238,4 +253,5 @@ def _record(res: StreamResult, prompt: BenchPrompt, settings: BenchSettings) -> 
         target_prompt_tokens=prompt.target_tokens,
         tolerance_percent=settings.tolerance_percent,
         error=res.error,
+        usage_source=usage_source,
     )

@@ -31,6 +31,7 @@ class StreamRecord:
     target_prompt_tokens: int
     tolerance_percent: float
     error: str | None = None
+    usage_source: str = "server"  # "client" where the stream carried no usage (llama.cpp)
 
     @property
     def text(self) -> str:
