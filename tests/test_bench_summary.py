@@ -9,7 +9,7 @@ from kiln.bench.runner import BenchSettings, Round, RunResult, Trial
 from kiln.bench.summary import final_attempts, markdown_table, rows_of
 from kiln.bench.trial import StreamRecord, invalid_reasons, trial_metrics
 
-WORDS = "the keeper climbed the stairs at dusk and lit the lamp over a grey sea".split()
+WORDS = ["the", "keeper", "climbed", "the", "stairs", "at", "dusk"]
 
 
 def _trial(rep: int, ttft: float, gap: float, attempt: int = 0, **kw) -> Trial:
