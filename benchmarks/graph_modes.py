@@ -86,10 +86,13 @@ def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int) -> dict:
 
 def table(rows: list[dict], batches: list[int]) -> str:
     base = rows[0]
-    head = ["config", "resolved", "boot s", *[f"decode ms b={b}" for b in batches], "prefill tok/s"]
+    head = ["config", "resolved", "boot s", "graphs (s, GiB)"]
+    head += [*[f"decode ms b={b}" for b in batches], "prefill tok/s"]
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for r in rows:
-        cells = [r["config"], r["resolved"], f"{r['boot_s']:.0f}"]
+        cap = r["capture"]
+        graphs = f"{cap['graphs']} ({cap['seconds']:.1f}, {cap['memory_bytes'] / 2**30:.2f})"
+        cells = [r["config"], r["resolved"], f"{r['boot_s']:.0f}", graphs]
         for b in batches:
             ms = r["decode_ms"][b]
             cells.append(f"{ms:.1f} ({base['decode_ms'][b] / ms:.2f}x)")
@@ -139,6 +142,7 @@ def main() -> None:
                 "config": cfg,
                 "resolved": f"mode {plan.mode} {plan.cudagraph_mode.value}",
                 "boot_s": boot,
+                "capture": llm.engine.capture_stats(),
                 **measure(llm, batches, prefill_len, args.steps),
             }
         )

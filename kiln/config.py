@@ -106,6 +106,7 @@ class EngineConfig:
     compilation: CompilationConfig = field(default_factory=CompilationConfig)
     enforce_eager: bool = False
     strict_graphs: bool = False  # every change the graph plan would make is an error
+    attention_backend: str = "auto"  # auto, torch or triton
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)

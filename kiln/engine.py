@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kiln.attention import AttentionBackend, TorchPagedAttentionBackend
+from kiln.attention import AttentionBackend
+from kiln.attention.selector import select_backend
 from kiln.block_manager import BlockManager
 from kiln.compilation.cache import (
     CompileCacheEntry,
@@ -17,10 +18,13 @@ from kiln.compilation.cache import (
     device_signature,
     kiln_source_hash,
 )
+from kiln.compilation.capture import CaptureStats, GraphMemoryEstimate, fit_ladder
+from kiln.compilation.graphs import CudaGraphBackend, EmulatedGraphBackend, GraphBackend
 from kiln.compilation.plan import (
     AttentionCaps,
     DeviceCaps,
     GraphPlan,
+    RuntimeMode,
     log_plan,
     resolve_graph_plan,
 )
@@ -29,7 +33,7 @@ from kiln.detokenizer import IncrementalDetokenizer
 from kiln.errors import ConfigError, InvalidRequestError
 from kiln.input_buffers import InputBuffers
 from kiln.loader import open_model
-from kiln.memory import num_kv_blocks
+from kiln.memory import available_memory, num_kv_blocks
 from kiln.model_runner import ModelRunner, kv_bytes_per_block
 from kiln.models import build_model
 from kiln.models.weights import load_weights
@@ -75,16 +79,18 @@ class EngineStats:
         return self.prefix_cache_hit_tokens / q if q else 0.0
 
 
-def device_caps(device: torch.device) -> DeviceCaps:
-    if device.type == "cuda":
-        return DeviceCaps(
-            "cuda", False, "CUDA graph capture is not implemented in this kiln build yet"
-        )
+def device_caps(device: torch.device, graph_backend: GraphBackend | None = None) -> DeviceCaps:
+    """CUDA devices capture graphs; so does any device given a graph backend (the CPU tests'
+    emulator)."""
+    if device.type == "cuda" or graph_backend is not None:
+        return DeviceCaps(device.type, True)
     return DeviceCaps.cpu()
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, graph_backend: GraphBackend | None = None) -> None:
+        """`graph_backend`: how graphs are captured; by default CUDA graphs on a GPU and none
+        elsewhere (tests pass the emulator to run the graph paths on the CPU)."""
         self.config = config
         self.device = config.resolve_device()
         self.dtype = config.torch_dtype
@@ -92,11 +98,14 @@ class LLMEngine:
         self.source = open_model(config.model)
         self.model_config = self.source.config
         self.tokenizer = self.source.load_tokenizer()
-        self.attn_backend = TorchPagedAttentionBackend()
+        self.attn_backend = select_backend(
+            config.attention_backend, self.device, config.cache.block_size
+        )
         self.model = self._load_model()
         self.max_model_len = self._resolve_max_model_len()
-        self.plan = self._resolve_plan()
+        self.plan = self._resolve_plan(graph_backend)
         self.compile_cache = self._open_compile_cache()
+        self.graph_backend = self._graph_backend(graph_backend)
         self.runner = ModelRunner(
             self.model,
             self.attn_backend,
@@ -104,9 +113,13 @@ class LLMEngine:
             config.cache.block_size,
             self._input_buffers(),
             self.device,
+            self.graph_backend,
         )
-        num_blocks = self._size_kv_cache()
+        self.capture = CaptureStats()
+        self.capture.reserved_bytes = self._measure_graph_memory()
+        num_blocks = self._size_kv_cache(self.capture.reserved_bytes)
         self.runner.allocate_kv_cache(num_blocks, self.dtype)
+        self._fit_ladder_beside_fixed_kv()
         self.blocks = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -119,6 +132,7 @@ class LLMEngine:
         self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
         self.boot_phases: dict[str, float] = {}
         self._warm_up()
+        self._capture_graphs()
         self.boot_phases["boot_s"] = time.monotonic() - t0
         logger.info(
             "engine ready in %.1f s: %s, %d KV blocks of %d tokens",
@@ -140,12 +154,12 @@ class LLMEngine:
         model.finalize(self.device)
         return model.eval()
 
-    def _resolve_plan(self) -> GraphPlan:
+    def _resolve_plan(self, graph_backend: GraphBackend | None) -> GraphPlan:
         backend: AttentionBackend = self.attn_backend
         sched = self.config.scheduler
         plan = resolve_graph_plan(
             self.config.compilation,
-            device_caps(self.device),
+            device_caps(self.device, graph_backend),
             AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops),
             max_num_batched_tokens=sched.max_num_batched_tokens,
             max_num_seqs=sched.max_num_seqs,
@@ -217,11 +231,62 @@ class LLMEngine:
             )
         return asked or limit
 
-    def _size_kv_cache(self) -> int:
+    # ---- CUDA graphs ----------------------------------------------------------------------
+
+    def _graph_backend(self, given: GraphBackend | None) -> GraphBackend | None:
+        p = self.plan
+        if p.decode_mode is RuntimeMode.NONE and p.mixed_mode is RuntimeMode.NONE:
+            return None
+        return given or CudaGraphBackend(self.device)
+
+    def _measure_graph_memory(self) -> int:
+        """Capture the largest graph of each kind on a provisional two-block KV cache (capture
+        batches are all padding: they read and write no KV) and measure the memory it takes;
+        the KV cache is then sized beside it."""
+        gb = self.graph_backend
+        if gb is None or isinstance(gb, EmulatedGraphBackend):
+            return 0
+        self.runner.allocate_kv_cache(2, self.dtype)
+        before = gb.memory_in_use()
+        self.runner.capture_graphs(only_largest=True)
+        measured = max(0, gb.memory_in_use() - before)
+        self.runner.drop_graphs()
+        self.runner.kv_cache = None
+        gb.release()
+        sizes = self.plan.decode_capture_sizes + self.plan.mixed_capture_sizes
+        self.graph_estimate = GraphMemoryEstimate(measured, max(sizes, default=0))
+        logger.info("graph memory measured before KV sizing: %.2f GiB", measured / 2**30)
+        return measured
+
+    def _fit_ladder_beside_fixed_kv(self) -> None:
+        if self.config.cache.kv_cache_memory is None or not self.capture.reserved_bytes:
+            return
+        free = available_memory(self.device)
+        plan = fit_ladder(self.plan, self.graph_estimate, free, self.config.strict_graphs)
+        self.plan = self.runner.plan = plan
+
+    def _capture_graphs(self) -> None:
+        gb = self.graph_backend
+        if gb is None:
+            return
+        t0, before = time.monotonic(), gb.memory_in_use()
+        self.capture.graphs = self.runner.capture_graphs()
+        self.capture.memory_bytes = max(0, gb.memory_in_use() - before)
+        self.capture.seconds = time.monotonic() - t0
+        self.runner.counters = type(self.runner.counters)()
+        logger.info(
+            "captured %d graphs in %.1f s, using %.2f GiB (%.2f GiB reserved before KV sizing)",
+            self.capture.graphs,
+            self.capture.seconds,
+            self.capture.memory_bytes / 2**30,
+            self.capture.reserved_bytes / 2**30,
+        )
+
+    def _size_kv_cache(self, graph_reserve: int = 0) -> int:
         bs = self.config.cache.block_size
         per_block = kv_bytes_per_block(self.model, bs, self.dtype)
         useful = -(-self.max_model_len // bs) * self.config.scheduler.max_num_seqs + 1
-        blocks = num_kv_blocks(self.config.cache, per_block, self.device, useful)
+        blocks = num_kv_blocks(self.config.cache, per_block, self.device, useful, graph_reserve)
         if blocks * bs < self.max_model_len:
             raise ConfigError(
                 f"the KV cache holds {blocks * bs} tokens ({blocks} blocks of {per_block} bytes), "
@@ -437,9 +502,8 @@ class LLMEngine:
         )
 
     def capture_stats(self) -> dict[str, float]:
-        """CUDA graphs captured at boot: how many, how long, how much memory. This build captures
-        none (the plan resolves every graph mode to NONE, with a warning, until it does)."""
-        return {"graphs": 0, "seconds": 0.0, "memory_bytes": 0}
+        """Graphs captured at boot: how many, how long, the memory measured and reserved."""
+        return self.capture.to_dict()
 
     def stats(self) -> EngineStats:
         b = self.blocks

@@ -20,7 +20,20 @@ class InputBuffers:
         self.query_start_loc = buf(max_seqs + 1, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
+        self.token_kv_lens = buf(max_tokens, torch.int32)
+        self.token_table_offsets = buf(max_tokens, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
+
+    def pad(self, start: int, end: int) -> None:
+        """Rows [start, end) become padding for a graph of `end` tokens: they write no KV slot
+        and see no keys, so they cannot change the real rows' outputs."""
+        if end <= start:
+            return
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.slot_mapping[start:end] = -1
+        self.token_kv_lens[start:end] = 0
+        self.token_table_offsets[start:end] = 0
 
     @staticmethod
     def fill(buffer: torch.Tensor, values: list[int]) -> torch.Tensor:

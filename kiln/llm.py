@@ -26,7 +26,15 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "enable_prefix_caching",
     }
     sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-    engine_keys = {"dtype", "device", "seed", "tokenizer", "enforce_eager", "strict_graphs"}
+    engine_keys = {
+        "dtype",
+        "device",
+        "seed",
+        "tokenizer",
+        "enforce_eager",
+        "strict_graphs",
+        "attention_backend",
+    }
     compilation = kwargs.pop("compilation_config", None)
     if not isinstance(compilation, CompilationConfig):
         compilation = CompilationConfig.from_json(compilation)

@@ -22,13 +22,17 @@ def available_memory(device: torch.device) -> int:
 
 
 def num_kv_blocks(
-    cache: CacheConfig, bytes_per_block: int, device: torch.device, max_useful_blocks: int
+    cache: CacheConfig,
+    bytes_per_block: int,
+    device: torch.device,
+    max_useful_blocks: int,
+    graph_reserve: int = 0,
 ) -> int:
-    """Blocks for the KV budget: bytes if given, else a fraction of free memory; never more
-    than the scheduler could ever use."""
+    """Blocks for the KV budget: bytes if given, else a fraction of free memory less the
+    measured graph memory; never more than the scheduler could ever use."""
     if cache.kv_cache_memory is not None:
         budget = cache.kv_cache_memory
     else:
         fraction = cache.kv_cache_memory_fraction or DEFAULT_FRACTION.get(device.type, 0.25)
-        budget = int(available_memory(device) * fraction)
-    return min(budget // bytes_per_block, max_useful_blocks)
+        budget = int(available_memory(device) * fraction) - graph_reserve
+    return min(max(0, budget) // bytes_per_block, max_useful_blocks)

@@ -4,6 +4,7 @@ KV cache and the persistent input buffers."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -11,7 +12,8 @@ import torch
 
 from kiln.attention import AttentionBackend, AttentionMetadata
 from kiln.compilation.backend import SplitBackend, mark_dynamic_dims
-from kiln.compilation.dispatcher import GraphCounters, describe, dispatch
+from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
+from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
 from kiln.input_buffers import InputBuffers
 from kiln.models.llama import CausalLM
@@ -46,6 +48,7 @@ class ModelRunner:
         block_size: int,
         buffers: InputBuffers,
         device: torch.device,
+        graph_backend: GraphBackend | None = None,
     ) -> None:
         self.model = model
         self.backend = backend
@@ -62,6 +65,18 @@ class ModelRunner:
             self.forward = torch.compile(
                 model.forward, backend=self.compile_backend, fullgraph=True
             )
+        self.full: FullGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+        if graph_backend is not None:
+            self._graph_wrappers(graph_backend)
+
+    def _graph_wrappers(self, graph_backend: GraphBackend) -> None:
+        modes = {self.plan.decode_mode, self.plan.mixed_mode}
+        if RuntimeMode.FULL in modes:
+            self.full = FullGraphs(graph_backend)
+        if RuntimeMode.PIECEWISE in modes and self.compile_backend is not None:
+            self.piecewise = PiecewiseGraphs(graph_backend)
+            self.compile_backend.piecewise = self.piecewise
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         cfg = self.model.config
@@ -76,13 +91,17 @@ class ModelRunner:
         """Lay the batch out decodes first, as the attention backends expect."""
         order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)
         bs = self.block_size
+        width = max(len(s.block_table) for s in batch.seqs)
         ids, pos, slots, starts, lens, tables, rows, sampling = [], [], [], [0], [], [], [], []
-        for i in order:
+        kv_lens, offsets = [], []
+        for row, i in enumerate(order):
             seq, n = batch.seqs[i], batch.num_tokens[i]
             first = seq.num_computed_tokens
             ids += seq.token_ids[first : first + n]
             span = range(first, first + n)
             pos += span
+            kv_lens += range(first + 1, first + n + 1)
+            offsets += [row * width] * n
             slots += [seq.block_table[p // bs] * bs + p % bs for p in span]
             starts.append(starts[-1] + n)
             lens.append(first + n)
@@ -96,10 +115,13 @@ class ModelRunner:
             slot_mapping=b.fill(b.slot_mapping, slots),
             query_start_loc=b.fill(b.query_start_loc, starts),
             seq_lens=b.fill(b.seq_lens, lens),
-            block_tables=b.fill_table(tables, max(len(t) for t in tables)),
+            block_tables=b.fill_table(tables, width),
             num_actual_tokens=len(ids),
             num_decodes=sum(1 for n in query_lens if n == 1),
             max_seq_len=max(lens),
+            token_kv_lens=b.fill(b.token_kv_lens, kv_lens),
+            token_table_offsets=b.fill(b.token_table_offsets, offsets),
+            block_tables_flat=b.block_tables,
         )
         meta = self.backend.build_metadata(meta, bs)
         return ModelInputs(
@@ -113,26 +135,140 @@ class ModelRunner:
 
     def _run(self, inputs: ModelInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
-        # No CUDA graphs are captured in this build: a promised graph would be a miss.
-        if wanted.promised:
+        mode = self._available(wanted)
+        if wanted.promised and mode is RuntimeMode.NONE:
             self.counters.record_miss(wanted)
-        self.counters.record(RuntimeMode.NONE)
+        self.counters.record(mode)
+        if mode is RuntimeMode.NONE:
+            return self._forward(inputs.input_ids, inputs.positions, inputs.meta)
+        size = wanted.descriptor.num_tokens
+        self.buffers.pad(inputs.meta.num_actual_tokens, size)
+        if mode is RuntimeMode.FULL:
+            return self.full.run(size)
+        return self._run_piecewise(inputs.meta, size)
+
+    def _available(self, wanted: Dispatch) -> RuntimeMode:
+        """The promised mode if its graph was captured; NONE (a miss) otherwise."""
+        size = wanted.descriptor.num_tokens
+        if wanted.mode is RuntimeMode.FULL and self.full is not None and self.full.has(size):
+            return RuntimeMode.FULL
+        pw = self.piecewise
+        if wanted.mode is RuntimeMode.PIECEWISE and pw is not None and pw.has(size):
+            return RuntimeMode.PIECEWISE
+        return RuntimeMode.NONE
+
+    def _run_piecewise(self, meta: AttentionMetadata, size: int) -> torch.Tensor:
+        b = self.buffers
+        padded = self._padded_meta(meta, size)
+        self.piecewise.state = RuntimeState(RuntimeMode.PIECEWISE, size)
+        try:
+            return self._forward(b.input_ids[:size], b.positions[:size], padded)
+        finally:
+            self.piecewise.state = RuntimeState()
+
+    def _padded_meta(self, meta: AttentionMetadata, size: int) -> AttentionMetadata:
+        b = self.buffers
+        return dataclasses.replace(
+            meta,
+            slot_mapping=b.slot_mapping[:size],
+            token_kv_lens=b.token_kv_lens[:size],
+            token_table_offsets=b.token_table_offsets[:size],
+        )
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
         if self.compile_backend is not None:
-            mark_dynamic_dims(self._dynamic_inputs(inputs))
-        return self.forward(inputs.input_ids, inputs.positions, inputs.meta)
+            mark_dynamic_dims(self._dynamic_inputs(input_ids, positions, meta))
+        return self.forward(input_ids, positions, meta)
+
+    # ---- capture ------------------------------------------------------------------------
+
+    def capture_sizes(self, mode: RuntimeMode) -> list[int]:
+        """Sizes to capture for a runtime mode, largest first."""
+        p = self.plan
+        sizes = set()
+        if p.decode_mode is mode:
+            sizes |= set(p.decode_capture_sizes)
+        if p.mixed_mode is mode:
+            sizes |= set(p.mixed_capture_sizes)
+        return sorted(sizes, reverse=True)
+
+    @torch.inference_mode()
+    def capture_graphs(self, only_largest: bool = False) -> int:
+        """Warm up and capture every graph of the plan, largest size first (PIECEWISE, then
+        FULL), all in the graph backend's one pool. Returns how many graphs were captured."""
+        count = 0
+        if self.piecewise is not None:
+            for size in self.capture_sizes(RuntimeMode.PIECEWISE)[: 1 if only_largest else None]:
+                count += self._capture_piecewise(size)
+        if self.full is not None:
+            for size in self.capture_sizes(RuntimeMode.FULL)[: 1 if only_largest else None]:
+                self._capture_full(size)
+                count += 1
+        return count
+
+    def drop_graphs(self) -> None:
+        if self.full is not None:
+            self.full.graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.graphs.clear()
+            self.piecewise.sizes.clear()
+
+    def _padding_meta(self, size: int) -> AttentionMetadata:
+        """A batch of `size` padding tokens and no request: what graphs are captured on (their
+        kernels depend on shapes only; the rows write nothing and read no key)."""
+        b = self.buffers
+        b.pad(0, size)
+        b.query_start_loc[:1] = 0
+        meta = AttentionMetadata(
+            slot_mapping=b.slot_mapping[:size],
+            query_start_loc=b.query_start_loc[:1],
+            seq_lens=b.seq_lens[:0],
+            block_tables=b.block_tables[:0].view(0, 1),
+            num_actual_tokens=0,
+            num_decodes=0,
+            max_seq_len=0,
+            token_kv_lens=b.token_kv_lens[:size],
+            token_table_offsets=b.token_table_offsets[:size],
+            block_tables_flat=b.block_tables,
+        )
+        return self.backend.build_metadata(meta, self.block_size)
+
+    def _capture_full(self, size: int) -> None:
+        b, meta = self.buffers, self._padding_meta(size)
+        ids, pos = b.input_ids[:size], b.positions[:size]
+        self._forward(ids, pos, meta)  # warm-up: compilation, autotuning, workspaces
+        self.full.capture(size, lambda: self._forward(ids, pos, meta))
+
+    def _capture_piecewise(self, size: int) -> int:
+        b, meta = self.buffers, self._padding_meta(size)
+        ids, pos = b.input_ids[:size], b.positions[:size]
+        self._forward(ids, pos, meta)
+        before = len(self.piecewise.graphs)
+        self.piecewise.state = RuntimeState(RuntimeMode.PIECEWISE, size, capturing=True)
+        try:
+            self._forward(ids, pos, meta)
+        finally:
+            self.piecewise.state = RuntimeState()
+        self.piecewise.sizes.add(size)
+        return len(self.piecewise.graphs) - before
 
     @staticmethod
-    def _dynamic_inputs(inputs: ModelInputs) -> list[tuple[torch.Tensor, list[int]]]:
-        m = inputs.meta
+    def _dynamic_inputs(
+        input_ids: torch.Tensor, positions: torch.Tensor, m: AttentionMetadata
+    ) -> list[tuple[torch.Tensor, list[int]]]:
         dims = [
-            (inputs.input_ids, [0]),
-            (inputs.positions, [0]),
+            (input_ids, [0]),
+            (positions, [0]),
             (m.slot_mapping, [0]),
             (m.query_start_loc, [0]),
             (m.seq_lens, [0]),
             (m.block_tables, [0, 1]),
+            (m.token_kv_lens, [0]),
+            (m.token_table_offsets, [0]),
         ]
-        extra = [getattr(m, name) for name in ("decode_slots", "decode_bias")]
+        extra = [getattr(m, name, None) for name in ("decode_slots", "decode_bias")]
         return dims + [(t, [0]) for t in extra if isinstance(t, torch.Tensor)]
 
     @torch.inference_mode()

@@ -12,6 +12,11 @@ import torch
 
 from kiln.loader.default_model import default_model_path
 
+if not torch.cuda.is_available():
+    # Triton kernels run in Triton's CPU interpreter here. Triton reads this when it decorates
+    # its functions, so it must be set before anything imports triton.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -129,3 +134,14 @@ def hf_smollm(smollm_path):
     folder, name = os.path.split(smollm_path)
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    """HF transformers' own models for the tiny checkpoints: the reference logits."""
+    from transformers import AutoModelForCausalLM
+
+    return {
+        name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
+        for name, path in tiny_models.items()
+    }

@@ -20,6 +20,8 @@ def make_engine(
     kv_cache_memory: int = 64 * 2**20,
     max_model_len: int | None = None,
     compilation: CompilationConfig | None = None,
+    attention_backend: str = "auto",
+    graph_backend=None,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -35,7 +37,9 @@ def make_engine(
                 max_model_len=max_model_len,
             ),
             compilation=compilation or CompilationConfig(),
-        )
+            attention_backend=attention_backend,
+        ),
+        graph_backend=graph_backend,
     )
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from kiln import SamplingParams
 from tests.conftest import TINY_VARIANTS
@@ -44,14 +43,6 @@ def _check(hf_model, prompts, finals, logits):
         scale = ref.abs().max().item()
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * scale)
         assert generated == ref.argmax(-1).tolist()
-
-
-@pytest.fixture(scope="module")
-def hf_models(tiny_models):
-    return {
-        name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
-        for name, path in tiny_models.items()
-    }
 
 
 @pytest.mark.parametrize("name", list(TINY_VARIANTS))

@@ -31,6 +31,12 @@ class AttentionMetadata:
     num_actual_tokens: int
     num_decodes: int
     max_seq_len: int
+    # Per-token views for backends that must not depend on the number of requests (a FULL
+    # CUDA graph replays one token count for any mix of requests): keys each token sees
+    # (position + 1; 0 for padding) and where its block-table row starts in the flat buffer.
+    token_kv_lens: torch.Tensor | None = None  # [T] int32
+    token_table_offsets: torch.Tensor | None = None  # [T] int32
+    block_tables_flat: torch.Tensor | None = None  # the whole persistent block-table buffer
 
 
 class AttentionBackend(ABC):

@@ -52,6 +52,11 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
         default=None,
         help="refuse to start when the graph plan would change the requested config",
     )
+    g.add_argument(
+        "--attention-backend",
+        choices=["auto", "torch", "triton"],
+        help="auto (default): triton on CUDA (capturable in FULL graphs), torch elsewhere",
+    )
     if engine_seed:
         g.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default 0)")
 
@@ -71,6 +76,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "compilation_config",
         "enforce_eager",
         "strict_graphs",
+        "attention_backend",
     )
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

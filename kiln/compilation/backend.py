@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from kiln.compilation.graphs import PiecewiseGraphs
 from kiln.errors import KilnError
 
 logger = logging.getLogger(__name__)
@@ -46,14 +47,16 @@ class CompileStats:
 
 
 class _Piece(torch.nn.Module):
-    """A compiled piece, optionally checking that its outputs leave contiguous."""
+    """A compiled piece, run through the owner's PIECEWISE graphs when it has them, optionally
+    checking that its outputs leave contiguous."""
 
-    def __init__(self, name: str, fn: Callable, check: bool) -> None:
+    def __init__(self, name: str, fn: Callable, check: bool, owner: SplitBackend) -> None:
         super().__init__()
-        self.name, self.fn, self.check = name, fn, check
+        self.name, self.fn, self.check, self.owner = name, fn, check, owner
 
     def forward(self, *args: Any) -> Any:
-        out = self.fn(*args)
+        graphs = self.owner.piecewise
+        out = self.fn(*args) if graphs is None else graphs.call(self.name, self.fn, args)
         if self.check:
             _check_contiguous(self.name, "output", out)
         return out
@@ -90,6 +93,7 @@ class SplitBackend:
         self.inductor = inductor
         self.stats = CompileStats()
         self.last_graph: torch.fx.GraphModule | None = None
+        self.piecewise: PiecewiseGraphs | None = None  # set by the runner when the plan has them
 
     def _is_split(self, node: torch.fx.Node) -> bool:
         return node.op == "call_function" and op_name(node.target) in self.splitting_ops
@@ -146,7 +150,7 @@ class SplitBackend:
                 sub = self.fetch_attr(target)
                 if not is_split[target]:
                     fn = compile_fx(sub, list(args)) if backend.inductor else sub
-                    compiled[target] = _Piece(target, fn, backend.debug_contiguity)
+                    compiled[target] = _Piece(target, fn, backend.debug_contiguity, backend)
                 elif backend.debug_contiguity:
                     compiled[target] = _SplitCall(target, sub)
                 return super().call_module(target, args, kwargs)

@@ -40,6 +40,7 @@ SERVE_KEYS: dict[str, type] = {
     "compilation_config": dict,
     "enforce_eager": bool,
     "strict_graphs": bool,
+    "attention_backend": str,
     "max_waiting_requests": int,
     "shutdown_timeout": float,
     "max_body_bytes": int,

@@ -1,0 +1,169 @@
+"""Graph capture and replay on the CPU, through the emulated graph backend (a replay re-runs
+the captured kernels on the captured tensors, as a CUDA graph does): every graph mode's greedy
+tokens and logits equal eager on a mixed workload (arrivals at different steps, prefix hits,
+preemption), steady decode runs with zero graph misses, padding rows change nothing, and the
+capture ladder is cut to fit a fixed KV budget with a warning (an error when strict).
+The same tests on a GPU use real CUDA graphs: see test_cuda.py and scripts/gpu_check.sh."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kiln import SamplingParams
+from kiln.compilation import CompilationConfig
+from kiln.compilation.capture import GraphMemoryEstimate, fit_ladder
+from kiln.compilation.graphs import EmulatedGraphBackend, FullGraphs, PiecewiseGraphs, RuntimeState
+from kiln.compilation.plan import RuntimeMode
+from kiln.errors import ConfigError
+from tests.helpers import make_engine, run_schedule
+
+pytest.importorskip("triton")
+
+SIZES = [1, 2, 4, 8, 16]
+PREEMPTING = 96 * 512  # bytes: the tiny models keep 512 bytes of KV per token in fp32
+
+
+def _workload():
+    g = torch.Generator().manual_seed(11)
+    shared = torch.randint(3, 49000, (24,), generator=g).tolist()
+    prompts = [torch.randint(3, 49000, (n,), generator=g).tolist() for n in (3, 21, 9, 40)]
+    prompts += [shared + prompts[0], shared + prompts[2]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    return [(t, p, params) for t, p in zip([0, 0, 1, 3, 5, 6], prompts)]
+
+
+def _engine(path, cudagraph_mode, mode, backend, graphs=True, kv=2**20):
+    """kv=PREEMPTING: 96 tokens of KV for ~180 tokens of work, so sequences get preempted."""
+    config = CompilationConfig(
+        mode=mode, cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=SIZES
+    )
+    return make_engine(
+        path,
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=64,
+        kv_cache_memory=kv,
+        compilation=config if graphs else CompilationConfig(mode=mode),
+        attention_backend=backend,
+        graph_backend=EmulatedGraphBackend() if graphs else None,
+    )
+
+
+# (cudagraph mode, compilation mode, attention backend, runtime modes expected in the steps)
+MODES = [
+    ("FULL_DECODE_ONLY", 0, "triton", {"FULL", "NONE"}),
+    ("FULL", 0, "triton", {"FULL"}),
+    ("PIECEWISE", 3, "torch", {"PIECEWISE"}),
+    ("FULL_AND_PIECEWISE", 3, "triton", {"FULL", "PIECEWISE"}),
+    ("FULL_AND_PIECEWISE", 3, "torch", {"PIECEWISE"}),  # resolved: torch can't do FULL
+]
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """Eager runs of the workload per attention backend, with a KV budget small enough to
+    force preemption."""
+    out = {}
+    for backend in ("torch", "triton"):
+        engine = _engine(tiny_models["llama"], "NONE", 0, backend, graphs=False, kv=PREEMPTING)
+        out[backend] = run_schedule(engine, _workload(), record_logits=True)
+        assert engine.stats().num_preemptions > 0
+    return out
+
+
+@pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), MODES)
+def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, backend, ran):
+    engine = _engine(tiny_models["llama"], graph_mode, mode, backend, kv=PREEMPTING)
+    assert engine.capture.graphs > 0
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    ref, ref_logits = references[backend]
+    for rid in ref:
+        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    assert finals["5"].num_cached_tokens > 0  # prefix hits went through the graphs
+    st = engine.stats()
+    assert st.num_preemptions > 0  # and so did recomputed sequences
+    steps = {m: n for m, n in st.graphs["steps"].items() if n}
+    assert set(steps) == ran, steps
+    assert st.graphs["graph_misses"] == 0
+
+
+@pytest.mark.parametrize("graph_mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
+def test_steady_decode_has_no_graph_misses(tiny_models, graph_mode):
+    engine = _engine(
+        tiny_models["llama"], graph_mode, 3 if "PIECEWISE" in graph_mode else 0, "triton"
+    )
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    run_schedule(engine, [(0, [5 + i] * 6, params) for i in range(5)])
+    st = engine.stats().graphs
+    assert st["graph_misses"] == 0
+    assert st["steps"]["FULL"] >= 10  # every decode step of 5 requests replayed size 8
+
+
+def test_full_graph_replays_read_the_buffers():
+    """A replay sees the buffers' current contents and writes the captured output tensor."""
+    gb = EmulatedGraphBackend()
+    buf = torch.zeros(8)
+    graphs = FullGraphs(gb)
+    graphs.capture(4, lambda: buf[:4] * 2)
+    out = graphs.run(4)
+    buf[:4] = torch.arange(4.0)
+    again = graphs.run(4)
+    assert again.data_ptr() == out.data_ptr() and again.tolist() == [0, 2, 4, 6]
+
+
+def test_piecewise_copies_inputs_that_moved():
+    gb = EmulatedGraphBackend()
+    pw = PiecewiseGraphs(gb)
+    weight = torch.full((3,), 2.0)
+    x0 = torch.ones(3)
+    pw.state = RuntimeState(RuntimeMode.PIECEWISE, 3, capturing=True)
+    pw.call("p", torch.mul, (x0, weight))
+    pw.sizes.add(3)
+    pw.state = RuntimeState(RuntimeMode.PIECEWISE, 3)
+    fresh = torch.tensor([1.0, 2.0, 3.0])  # a splitting op's new output tensor
+    out = pw.call("p", torch.mul, (fresh, weight))
+    assert out.tolist() == [2.0, 4.0, 6.0]
+    assert pw.copies == 1  # the moved input was copied; the weight was not
+    pw.state = RuntimeState()
+    assert pw.call("p", torch.add, (fresh, weight)).tolist() == [3.0, 4.0, 5.0]  # NONE: plain
+
+
+def _plan(sizes):
+    from kiln.attention.backend import GraphSupport
+    from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+
+    return resolve_graph_plan(
+        CompilationConfig(
+            mode=3, cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=sizes
+        ),
+        DeviceCaps("cuda", True),
+        AttentionCaps("triton_paged", GraphSupport.ALWAYS, ("kiln::triton_paged_attention",)),
+        max_num_batched_tokens=512,
+        max_num_seqs=256,
+    )
+
+
+def test_ladder_fits_unchanged():
+    plan = _plan([1, 2, 4, 8, 256])
+    est = GraphMemoryEstimate(measured_bytes=2**30, largest_size=256)
+    assert fit_ladder(plan, est, 2**30, strict=False) is plan
+
+
+def test_ladder_is_cut_to_the_memory_left_with_a_warning(caplog):
+    plan = _plan([1, 2, 4, 8, 16, 128, 256])
+    est = GraphMemoryEstimate(measured_bytes=2**30, largest_size=256)  # 4 MiB per token
+    with caplog.at_level(logging.WARNING):
+        cut = fit_ladder(plan, est, 100 * 2**20, strict=False)  # room for 25 tokens
+    assert cut.mixed_capture_sizes == (1, 2, 4, 8, 16)
+    assert cut.decode_capture_sizes == (1, 2, 4, 8, 16)
+    (msg,) = [r.getMessage() for r in caplog.records if "capture sizes" in r.getMessage()]
+    assert "dropped sizes [128, 256]" in msg and "--kv-cache-memory" in msg
+    assert cut.changes[-1].field == "capture sizes"
+    with pytest.raises(ConfigError, match="--strict-graphs: capture sizes"):
+        fit_ladder(plan, est, 100 * 2**20, strict=True)
