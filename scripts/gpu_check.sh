@@ -8,6 +8,8 @@ export PYTHONPATH=.
 export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-gpu-cache}
 OUT=${OUT:-/tmp}
 python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-timeout 300 python -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tail -15
+# real CUDA graphs in the five modes, then the Triton kernels compiled for the GPU
+timeout 360 python -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tail -20
+timeout 120 python -m pytest -q tests/test_triton_backend.py 2>&1 | tail -5
 timeout 240 python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \
   --output "$OUT/graph_modes.json" 2>&1 | grep -v Warning | tail -12
