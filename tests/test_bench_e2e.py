@@ -121,3 +121,20 @@ def test_bench_matrix_two_configurations(smollm_path, tmp_path, capsys):
     assert not os.path.exists(first["server"]["fresh_compile_cache"])  # removed afterwards
     assert second["server"]["command"][-1] == "32"
     assert {"report.md", "report.png"} <= set(os.listdir(out))
+
+
+def test_bench_matrix_reports_a_configuration_that_cannot_boot(tmp_path, capsys):
+    bad = tmp_path / "broken.toml"
+    bad.write_text(
+        'name = "broken"\nengine = "external"\n'
+        'command = ["{python}", "-c", "import sys; print(\'no GPU here\'); sys.exit(3)"]\n'
+    )
+    out = tmp_path / "m"
+    code = main(
+        ["bench", "matrix", "--configs", str(bad), "--sizes", "128", "--suite", "coding",
+         "--output", str(out), "--no-progress"]
+    )  # fmt: skip
+    assert code == 1
+    assert "No: server_failed x1" in capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert "FAILED: the server exited with status 3 during boot" in md and "no GPU here" in md

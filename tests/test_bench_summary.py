@@ -103,3 +103,14 @@ def test_bad_bench_flags_are_clear_errors(capsys):
     assert "not both" in capsys.readouterr().err
     assert main(["bench", "matrix", "--cudagraph-modes", "SOMETIMES"]) == 2
     assert "unknown cudagraph mode" in capsys.readouterr().err
+
+
+def test_a_configuration_that_failed_gets_invalid_rows():
+    run = RunResult("broken", "", "m", "", BenchSettings(["regular", "coding"], [1000]))
+    run.error = "the server exited with status 1 during boot"
+    rows = rows_of(run)
+    assert [(r.suite, r.valid, r.why_not()) for r in rows] == [
+        ("regular", False, "server_failed x1"),
+        ("coding", False, "server_failed x1"),
+    ]
+    assert "| broken | regular 1000 | 1 | - |" in markdown_table(rows)

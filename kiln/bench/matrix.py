@@ -4,6 +4,7 @@ compile cache), the same probes and suite against each, one side-by-side table."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import tempfile
@@ -20,6 +21,8 @@ from kiln.bench.launcher import (
 from kiln.bench.runner import BenchSettings, RunResult, run_benchmark
 from kiln.compilation.config import CUDAGraphMode
 from kiln.profiles import Profile, load_profile
+
+logger = logging.getLogger(__name__)
 
 
 def matrix_profiles(
@@ -63,9 +66,14 @@ def run_matrix(
     results = []
     for profile in profiles:
         probes = profile.probes or fallback_probes  # one model, so one probe set
-        results.append(
-            _run_one(profile, model, settings, out_dir, boot_timeout, probes, show_progress)
-        )
+        try:
+            result = _run_one(
+                profile, model, settings, out_dir, boot_timeout, probes, show_progress
+            )
+        except BenchError as exc:  # the other configurations still get their rows
+            logger.error("configuration %s failed: %s", profile.name, exc)
+            result = RunResult(profile.name, "", model or "", "", settings, error=str(exc))
+        results.append(result)
     return results
 
 

@@ -93,6 +93,8 @@ def markdown_report(
 
 def _run_notes(run: RunResult) -> list[str]:
     lines = [f"## {run.config}", ""]
+    if run.error is not None:
+        return [*lines, f"- FAILED: {run.error}", ""]
     if run.server.get("boot_s") is not None:
         lines.append(f"- boot: {run.server['boot_s']:.1f} s to healthy")
     plan = run.server.get("graph_plan")

@@ -110,6 +110,7 @@ class RunResult:
     probes: list[ProbeResult] = field(default_factory=list)
     duration_s: float = 0.0
     server: dict[str, Any] = field(default_factory=dict)  # boot time, engine info, ...
+    error: str | None = None  # the configuration could not be benchmarked at all
 
     @property
     def probes_passed(self) -> bool | None:

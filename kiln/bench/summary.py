@@ -62,6 +62,10 @@ def final_attempts(trials: list[Trial]) -> list[Trial]:
 
 
 def rows_of(result: RunResult) -> list[Row]:
+    if result.error is not None:  # one invalid row per cell it should have filled
+        s = result.settings
+        cells = [(su, n, c) for su in s.suites for n in s.sizes for c in s.concurrency]
+        return [Row(result.config, *cell, 0, 0, reasons={"server_failed": 1}) for cell in cells]
     groups: dict[tuple, list[Trial]] = collections.defaultdict(list)
     for t in final_attempts(result.trials):
         groups[(t.suite, t.size, t.concurrency)].append(t)
