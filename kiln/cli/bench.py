@@ -124,6 +124,10 @@ async def _run(args, settings, label, probes):
 
 
 def cmd_bench_matrix(args: argparse.Namespace) -> int:
+    # every bench module is imported before the first server boots: a matrix runs for an hour,
+    # and a module imported at its end would be whatever the checkout holds by then
+    import kiln.bench.report
+    import kiln.bench.summary  # noqa: F401
     from kiln.bench.matrix import matrix_profiles, run_matrix
 
     settings = settings_from(args)
