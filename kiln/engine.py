@@ -251,7 +251,7 @@ class LLMEngine:
         self.runner.capture_graphs(only_largest=True)
         measured = max(0, gb.memory_in_use() - before)
         self.runner.drop_graphs()
-        self.runner.kv_cache = None
+        self.runner.kv_caches = []
         gb.release()
         sizes = self.plan.decode_capture_sizes + self.plan.mixed_capture_sizes
         self.graph_estimate = GraphMemoryEstimate(measured, max(sizes, default=0))

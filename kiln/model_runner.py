@@ -56,7 +56,7 @@ class ModelRunner:
         self.block_size = block_size
         self.buffers = buffers
         self.device = device
-        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.counters = GraphCounters()
         self.compile_backend: SplitBackend | None = None
         self.forward = model.forward
@@ -80,12 +80,21 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
         cfg = self.model.config
-        shape = (cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        shape = (num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One tensor per layer and per K/V, never views of one big buffer: a compiled graph that
+        # keeps the attention op inside (no split) mutates each cache in place only when it is
+        # its own graph input; views of a shared base made Inductor copy the cache every step.
         # empty, not zeros: backends only ever read slots that were written (padding reads are
         # redirected), and zero-filling gigabytes would cost seconds at boot
-        self.kv_cache = torch.empty(shape, dtype=dtype, device=self.device)
-        for i, attn in enumerate(self.model.attention_layers()):
-            attn.bind_cache(self.kv_cache[i, 0], self.kv_cache[i, 1])
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        for (k_cache, v_cache), attn in zip(self.kv_caches, self.model.attention_layers()):
+            attn.bind_cache(k_cache, v_cache)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """Lay the batch out decodes first, as the attention backends expect."""
