@@ -45,7 +45,9 @@ def _write_kv_kernel(
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)
     d = tl.arange(0, BLOCK_D)
-    mask = (d < D) & (slot >= 0)
+    # One comparison, not (d < D) & (slot >= 0): Triton 3.9's CPU interpreter turns a block
+    # mask and-ed with a scalar into int32 and rejects it ("mask has unsupported dtype").
+    mask = d < tl.where(slot >= 0, D, 0)
     src = t * stride_t + h * stride_h + d
     dst = slot * stride_slot + h * stride_ch + d
     tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)

@@ -1,0 +1,55 @@
+"""Compile kiln's Triton kernels for a Hopper GPU (sm_90) without one: Triton's code generator
+down to a cubin with its bundled ptxas. Run by tests/test_triton_backend.py in a child process
+(the tests' interpreter mode replaces the code generator):
+
+    python -m tests.triton_cuda_compile fp32|bf16|fp16"""
+
+from __future__ import annotations
+
+import sys
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kiln.attention import triton_backend
+
+CONSTANTS = {
+    "_write_kv_kernel": {"D": 128, "BLOCK_D": 128},
+    # a head dim that is not a power of two exercises the masks
+    "_paged_attention_kernel": {"GROUP": 2, "D": 96, "BLOCK_D": 128, "BLOCK_SIZE": 16},
+}
+
+
+def argument_types(dtype: str) -> dict[str, str]:
+    tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr")
+    types = {name: f"*{dtype}" for name in tensors}
+    types |= {"slot_ptr": "*i64", "kv_len_ptr": "*i32", "table_offset_ptr": "*i32"}
+    return types | {"tables_ptr": "*i32", "scale": "fp32"}  # the rest are i32 strides
+
+
+def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
+    constants = CONSTANTS[kernel.__name__]
+    types = argument_types(dtype)
+    signature = {
+        name: "constexpr" if name in constants else types.get(name, "i32")
+        for name in kernel.arg_names
+    }
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    if (
+        compiled.asm["cubin"][:4] != b"\x7fELF"
+        or f".entry {kernel.__name__}" not in compiled.asm["ptx"]
+    ):
+        raise SystemExit(f"{kernel.__name__}: no cubin/entry point in the compiled output")
+
+
+def main() -> None:
+    dtype = sys.argv[1]
+    for kernel in (triton_backend._write_kv_kernel, triton_backend._paged_attention_kernel):
+        compile_for_hopper(kernel, dtype)
+        print(kernel.__name__, "ok")
+
+
+if __name__ == "__main__":
+    main()
