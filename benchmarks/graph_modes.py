@@ -84,22 +84,26 @@ def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int) -> dict:
     }
 
 
-def table(rows: list[dict], batches: list[int]) -> str:
-    base = rows[0]
+def table_head(batches: list[int]) -> str:
     head = ["config", "resolved", "boot s", "graphs (s, GiB)"]
     head += [*[f"decode ms b={b}" for b in batches], "prefill tok/s"]
-    lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
-    for r in rows:
-        cap = r["capture"]
-        graphs = f"{cap['graphs']} ({cap['seconds']:.1f}, {cap['memory_bytes'] / 2**30:.2f})"
-        cells = [r["config"], r["resolved"], f"{r['boot_s']:.0f}", graphs]
-        for b in batches:
-            ms = r["decode_ms"][b]
-            cells.append(f"{ms:.1f} ({base['decode_ms'][b] / ms:.2f}x)")
-        ratio = r["prefill_tok_s"] / base["prefill_tok_s"]
-        cells.append(f"{r['prefill_tok_s']:.0f} ({ratio:.2f}x)")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return "| " + " | ".join(head) + " |\n|" + " --- |" * len(head)
+
+
+def table_row(r: dict, base: dict, batches: list[int]) -> str:
+    cap = r["capture"]
+    graphs = f"{cap['graphs']} ({cap['seconds']:.1f}, {cap['memory_bytes'] / 2**30:.2f})"
+    cells = [r["config"], r["resolved"], f"{r['boot_s']:.0f}", graphs]
+    for b in batches:
+        ms = r["decode_ms"][b]
+        cells.append(f"{ms:.1f} ({base['decode_ms'][b] / ms:.2f}x)")
+    ratio = r["prefill_tok_s"] / base["prefill_tok_s"]
+    cells.append(f"{r['prefill_tok_s']:.0f} ({ratio:.2f}x)")
+    return "| " + " | ".join(cells) + " |"
+
+
+def table(rows: list[dict], batches: list[int]) -> str:
+    return "\n".join([table_head(batches), *(table_row(r, rows[0], batches) for r in rows)])
 
 
 def main() -> None:
@@ -124,6 +128,7 @@ def main() -> None:
     batches = args.batches or ([1, 8, 32, 128] if cuda else [1, 8, 32])
     prefill_len = args.prefill_len or (2048 if cuda else 512)
     rows = []
+    print(table_head(batches), flush=True)
     for cfg in configs:
         t0 = time.perf_counter()
         llm = LLM(
@@ -146,8 +151,11 @@ def main() -> None:
                 **measure(llm, batches, prefill_len, args.steps),
             }
         )
+        llm.close()  # the next configuration sizes its KV cache from the memory this frees
         del llm
-    print(table(rows, batches))
+        # each row as soon as it is measured: a run cut short by a time limit still reports
+        print(table_row(rows[-1], rows[0], batches), flush=True)
+    print("\n" + table(rows, batches))
     if args.output:
         with open(args.output, "w") as f:
             json.dump(

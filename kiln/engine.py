@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -30,7 +31,7 @@ from kiln.compilation.plan import (
 )
 from kiln.config import EngineConfig
 from kiln.detokenizer import IncrementalDetokenizer
-from kiln.errors import ConfigError, InvalidRequestError
+from kiln.errors import ConfigError, EngineClosedError, InvalidRequestError
 from kiln.input_buffers import InputBuffers
 from kiln.loader import open_model
 from kiln.memory import available_memory, num_kv_blocks
@@ -125,6 +126,7 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.requests: dict[str, Request] = {}
+        self.closed = False
         self.seq_ids = SequenceCounter()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.num_steps = 0
@@ -327,6 +329,8 @@ class LLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
     ) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine was closed: build a new one to run requests")
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         metrics = RequestMetrics(arrival_time or time.monotonic())
@@ -400,6 +404,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
+
+    def close(self) -> None:
+        """Free the KV cache and the captured graphs now rather than whenever the garbage
+        collector gets to them: an engine built next in this process sizes its KV cache from
+        the device memory left free. Unfinished requests are dropped."""
+        self.closed = True
+        self.requests.clear()
+        self.runner.release_memory()
+        gc.collect()
+        if self.graph_backend is not None:
+            self.graph_backend.release()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     # ---- the step -------------------------------------------------------------------------
 

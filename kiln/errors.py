@@ -21,3 +21,7 @@ class ConfigError(KilnError, ValueError):
 
 class ModelLoadError(KilnError):
     """A model path, file, architecture or tensor shape is not what kiln expects."""
+
+
+class EngineClosedError(KilnError):
+    """A request reached an engine whose memory was already released by close()."""

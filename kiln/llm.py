@@ -61,6 +61,16 @@ class LLM:
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Free the KV cache and captured graphs now (see LLMEngine.close)."""
+        self.engine.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

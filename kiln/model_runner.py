@@ -217,6 +217,13 @@ class ModelRunner:
                 count += 1
         return count
 
+    def release_memory(self) -> None:
+        """Drop the graphs and the KV cache (the engine is closing)."""
+        self.drop_graphs()
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None
+
     def drop_graphs(self) -> None:
         if self.full is not None:
             self.full.graphs.clear()

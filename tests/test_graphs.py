@@ -167,3 +167,23 @@ def test_ladder_is_cut_to_the_memory_left_with_a_warning(caplog):
     assert cut.changes[-1].field == "capture sizes"
     with pytest.raises(ConfigError, match="--strict-graphs: capture sizes"):
         fit_ladder(plan, est, 100 * 2**20, strict=True)
+
+
+def test_close_frees_cache_and_graphs(tiny_models):
+    """close() lets go of the KV cache and every captured graph at once (a second engine in the
+    same process sizes its KV cache from the memory left), and refuses new requests."""
+    import weakref
+
+    from kiln.errors import EngineClosedError
+
+    engine = _engine(tiny_models["llama"], "FULL_DECODE_ONLY", 0, "triton")
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    run_schedule(engine, [(0, [5, 6, 7], params)])
+    assert engine.runner.full.graphs
+    cache = weakref.ref(engine.runner.kv_caches[0][0])
+    graph_output = weakref.ref(engine.runner.full.graphs[max(engine.runner.full.graphs)].outputs)
+    engine.close()
+    assert cache() is None and graph_output() is None
+    assert not engine.runner.full.graphs
+    with pytest.raises(EngineClosedError, match="build a new one"):
+        engine.add_request("late", [5, 6], params)
