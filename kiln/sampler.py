@@ -86,23 +86,94 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[i
                 logits[row, banned] = float("-inf")
 
 
+# Top-p / min-p nuclei rarely reach past a few hundred tokens: filtering among the top
+# CANDIDATES (a partial sort) and checking that the nucleus ended inside them avoids sorting
+# the whole vocabulary (3.5 of a 40 ms CPU decode step for one row of SmolLM2's 49,152).
+CANDIDATES = 256
+
+
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Set to -inf every token outside each row's top-k, top-p nucleus and min-p floor."""
     if batch.top_k is None and batch.top_p is None and batch.min_p is None:
         return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    width = CANDIDATES
+    if batch.top_k is not None:
+        ks = batch.top_k[batch.top_k < vocab]
+        width = max(width, int(ks.max())) if ks.numel() else width
+    if width >= vocab:
+        return _filter_sorted(logits, batch)
+    out, covered = _filter_candidates(logits, batch, width)
+    if not bool(covered.all()):
+        rows = (~covered).nonzero().flatten()
+        out[rows] = _filter_sorted(logits[rows], _rows(batch, rows))
+    return out
+
+
+def _drop(sorted_logits: torch.Tensor, batch: SamplingBatch, log_total: torch.Tensor | None):
+    """Which of the descending-sorted logits each filter drops. log_total: the log of each
+    row's softmax denominator when the columns are only the head of the row."""
     drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
     if batch.top_k is not None:
-        ranks = torch.arange(logits.shape[1], device=logits.device)
+        ranks = torch.arange(sorted_logits.shape[1], device=sorted_logits.device)
         drop |= ranks[None, :] >= batch.top_k[:, None]
+    probs = None
     if batch.top_p is not None or batch.min_p is not None:
-        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        kept = sorted_logits.masked_fill(drop, float("-inf"))
+        probs = kept.softmax(-1) if log_total is None else (kept - log_total[:, None]).exp()
         if batch.top_p is not None:
-            drop |= (probs.cumsum(-1) - probs) >= batch.top_p[:, None]
+            # rows at top_p 1 keep everything: a float cumsum can reach 1 before the tail
+            nucleus = (probs.cumsum(-1) - probs) >= batch.top_p[:, None]
+            drop |= nucleus & (batch.top_p < 1)[:, None]
         if batch.min_p is not None:
             drop |= probs < batch.min_p[:, None] * probs[:, :1]
     drop[:, 0] = False  # the most likely token always survives
+    return drop, probs
+
+
+def _filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    drop, _ = _drop(sorted_logits, batch, None)
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, float("-inf")))
+
+
+def _filter_candidates(logits: torch.Tensor, batch: SamplingBatch, width: int):
+    """Filter among each row's top `width` logits; a row is covered when its filters drop
+    every token past them (then the result equals the full sort's) or it has no filter."""
+    head, order = logits.topk(width, dim=-1)
+    vocab = logits.shape[1]
+    top_k = batch.top_k if batch.top_k is not None else torch.full_like(order[:, 0], vocab)
+    within = top_k <= width  # the top-k survivors are all in the head
+    past_k = torch.arange(width, device=head.device)[None, :] >= top_k[:, None]
+    log_total = torch.where(
+        within, head.masked_fill(past_k, float("-inf")).logsumexp(-1), logits.logsumexp(-1)
+    )
+    drop, probs = _drop(head, batch, log_total)
+    covered, unfiltered = within.clone(), top_k >= vocab
+    if batch.top_p is not None:
+        covered |= probs.sum(-1) >= batch.top_p
+        unfiltered &= batch.top_p >= 1
+    if batch.min_p is not None:
+        covered |= probs[:, -1] < batch.min_p * probs[:, 0]
+        unfiltered &= batch.min_p <= 0
+    out = torch.full_like(logits, float("-inf"))
+    out.scatter_(1, order, head.masked_fill(drop, float("-inf")))
+    out[unfiltered] = logits[unfiltered]
+    return out, covered | unfiltered
+
+
+def _rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
+    def pick(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t[rows]
+
+    return SamplingBatch(
+        temperature=batch.temperature[rows],
+        top_k=pick(batch.top_k),
+        top_p=pick(batch.top_p),
+        min_p=pick(batch.min_p),
+        penalties=None,
+        seqs=[batch.seqs[i] for i in rows.tolist()],
+    )
 
 
 def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence], gen: torch.Generator):

@@ -199,3 +199,37 @@ def test_streamed_deltas_never_contain_the_stop_string(engine):
     while engine.has_unfinished_requests():
         deltas += [o.outputs[0].delta_text for o in engine.step()]
     assert "".join(deltas) == text[: text.index(stop)]
+
+
+def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
+    """Filtering among the top CANDIDATES logits must keep exactly what sorting the whole
+    vocabulary keeps: rows whose nucleus ends inside the candidates take the fast path, the
+    others (flat distributions, top_p near 1) fall back to the sort."""
+    from kiln.sampler import CANDIDATES, _filter_candidates, _filter_sorted
+
+    vocab = 49152
+    g = torch.Generator().manual_seed(3)
+    sharpness = [8.0, 4.0, 2.0, 1.0, 0.3, 0.05]  # peaked ... nearly flat
+    params = [
+        SamplingParams(temperature=1.0, top_p=0.9),
+        SamplingParams(temperature=1.0, top_p=0.5, top_k=40),
+        SamplingParams(temperature=1.0, top_p=0.999),
+        SamplingParams(temperature=1.0, min_p=0.05),
+        SamplingParams(temperature=1.0, top_k=1000),  # wider than the candidates
+        SamplingParams(temperature=1.0),  # no filter in a filtered batch
+        SamplingParams(temperature=1.0, top_p=0.95, min_p=0.01),
+    ]
+    rows = [(s, p) for s in sharpness for p in params]
+    logits = torch.stack([torch.randn(vocab, generator=g) * s for s, _ in rows])
+    batch = SamplingBatch.build([_seq(p) for _, p in rows], vocab, torch.device("cpu"))
+    fast = filter_logits(logits, batch)
+    reference = _filter_sorted(logits, batch)
+    assert torch.equal(fast > float("-inf"), reference > float("-inf"))
+    kept = reference > float("-inf")
+    assert torch.equal(fast[kept], logits[kept])
+    _, covered = _filter_candidates(logits, batch, 1000)
+    assert 0 < int(covered.sum()) < len(rows)  # both paths ran
+    assert kept.sum(-1).min() >= 1 and kept.sum(-1).max() > CANDIDATES
+    # a row without filters keeps the whole vocabulary even beside rows with top_p (a float
+    # cumsum reaching 1 before the tail used to drop its least likely tokens)
+    assert kept[params.index(SamplingParams(temperature=1.0))].all()
