@@ -6,7 +6,7 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -92,8 +92,9 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, graph_backend: GraphBackend | None = None) -> None:
         """`graph_backend`: how graphs are captured; by default CUDA graphs on a GPU and none
         elsewhere (tests pass the emulator to run the graph paths on the CPU)."""
-        self.config = config
         self.device = config.resolve_device()
+        config = replace(config, scheduler=config.scheduler.for_device(self.device))
+        self.config = config
         self.dtype = config.torch_dtype
         t0 = time.monotonic()
         self.source = open_model(config.model)

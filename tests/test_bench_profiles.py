@@ -65,7 +65,7 @@ def test_serve_flags_override_the_profile():
     )
     args = resolve_serve_args(args)
     assert args.max_num_seqs == 4 and args.port == 9  # flags win
-    assert args.max_num_batched_tokens == 2048 and args.kv_cache_memory == "2GiB"  # profile
+    assert args.max_num_batched_tokens == 512 and args.kv_cache_memory == "2GiB"  # profile
     assert json.loads(args.compilation_config) == {
         "mode": 3,
         "cudagraph_mode": "FULL_AND_PIECEWISE",

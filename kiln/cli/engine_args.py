@@ -14,7 +14,9 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
     g.add_argument("--max-num-seqs", type=int, help="sequences per step (default 64)")
     g.add_argument(
-        "--max-num-batched-tokens", type=int, help="token budget per step (default 2048)"
+        "--max-num-batched-tokens",
+        type=int,
+        help="token budget per step, i.e. the prefill chunk (default 512 on the CPU, 2048 on CUDA)",
     )
     g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
     g.add_argument(
