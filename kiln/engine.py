@@ -11,8 +11,9 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from kiln.attention import AttentionBackend
-from kiln.attention.selector import select_backend
+from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
+from kiln.compilation.backend import check_splitting_ops
 from kiln.compilation.cache import (
     CompileCacheEntry,
     cache_key_fields,
@@ -160,6 +161,8 @@ class LLMEngine:
     def _resolve_plan(self, graph_backend: GraphBackend | None) -> GraphPlan:
         backend: AttentionBackend = self.attn_backend
         sched = self.config.scheduler
+        requested_splits = self.config.compilation.splitting_ops or ()
+        check_splitting_ops(requested_splits, ATTENTION_OPS)
         plan = resolve_graph_plan(
             self.config.compilation,
             device_caps(self.device, graph_backend),

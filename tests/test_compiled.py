@@ -14,7 +14,10 @@ from kiln.compilation import CompilationConfig
 from kiln.compilation.backend import ContiguityError, _check_contiguous, _Piece, _SplitCall
 from tests.helpers import make_engine, run_schedule
 
-COMPILED = CompilationConfig(mode=3, debug_contiguity=True)
+# split at attention explicitly: with no piecewise graphs to replay (the CPU) the default is
+# one unsplit graph, and these tests are about the split backend
+SPLIT = ("kiln::torch_paged_attention",)
+COMPILED = CompilationConfig(mode=3, splitting_ops=SPLIT, debug_contiguity=True)
 
 
 def _schedule():
@@ -99,7 +102,9 @@ def test_unsplit_compile_matches_eager_and_owns_its_caches(tiny_models):
 
 
 def test_recompilation_is_counted_and_warned(tiny_models, caplog):
-    engine = make_engine(tiny_models["llama"], compilation=CompilationConfig(mode=3))
+    engine = make_engine(
+        tiny_models["llama"], compilation=CompilationConfig(mode=3, splitting_ops=SPLIT)
+    )
     runner = engine.runner
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()

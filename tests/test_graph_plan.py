@@ -155,6 +155,47 @@ def test_enforce_eager_and_splitting_ops():
     assert p.cudagraph_mode is M.NONE and "splitting_ops" in p.changes[0].reason
 
 
+@pytest.mark.parametrize(
+    ("graph", "device", "support", "splits"),
+    [
+        (M.NONE, CPU, S.NEVER, ()),  # nothing replays pieces: one Inductor graph
+        (M.FULL_AND_PIECEWISE, CPU, S.NEVER, ()),  # resolved to NONE on the CPU
+        (M.FULL, CUDA, S.ALWAYS, ()),
+        (M.FULL_DECODE_ONLY, CUDA, S.ALWAYS, ()),
+        (M.PIECEWISE, CUDA, S.NEVER, OPS),
+        (M.FULL_AND_PIECEWISE, CUDA, S.ALWAYS, OPS),
+        (M.FULL, CUDA, S.UNIFORM_BATCH, OPS),  # resolved to FULL_AND_PIECEWISE
+    ],
+)
+def test_default_splitting_follows_the_piecewise_graphs(graph, device, support, splits):
+    p = plan(graph, device=device, support=support)
+    assert p.splitting_ops == splits
+    assert ("one Inductor graph" in p.table()) == (not splits)
+    explicit = plan(graph, device=device, support=support, splitting_ops=OPS)
+    assert explicit.splitting_ops == OPS  # asked for, kept
+
+
+def test_splitting_ops_in_vllm_spelling_and_unknown_ops(tiny_models):
+    """vLLM's "namespace.op" spelling means the same op; a name that is no registered op is an
+    error naming kiln's attention ops, not a split that silently never happens."""
+    from kiln.compilation.backend import check_splitting_ops
+    from tests.helpers import make_engine
+
+    dotted = CompilationConfig(splitting_ops=["kiln.torch_paged_attention"])
+    assert dotted.splitting_ops == ("kiln::torch_paged_attention",)
+    p = plan(M.PIECEWISE, support=S.NEVER, splitting_ops=["kiln.attn"])
+    assert p.cudagraph_mode is M.PIECEWISE and not p.changes
+    known = ("kiln::torch_paged_attention", "kiln::triton_paged_attention")
+    check_splitting_ops(["kiln.triton_paged_attention", "aten::mm"], known)
+    with pytest.raises(ConfigError, match="'kiln::attention', which is not a registered op"):
+        make_engine(
+            tiny_models["llama"],
+            compilation=CompilationConfig(mode=3, splitting_ops=["kiln::attention"]),
+        )
+    with pytest.raises(ConfigError, match="kiln::torch_paged_attention, kiln::triton_paged"):
+        check_splitting_ops(["nosuchns.op"], known)
+
+
 def test_config_parsing_errors():
     assert CompilationConfig.from_json(
         '{"mode": 3, "cudagraph_mode": "piecewise"}'

@@ -16,6 +16,8 @@ from kiln.errors import ConfigError
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "torch", "triton")
+# every attention backend's splitting op (the Triton one registers only when triton imports)
+ATTENTION_OPS = ("kiln::torch_paged_attention", "kiln::triton_paged_attention")
 
 
 def triton_available() -> bool:

@@ -16,7 +16,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from kiln.compilation.graphs import PiecewiseGraphs
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +35,21 @@ def op_name(target: Any) -> str | None:
 
 def _normalize(name: str) -> str:
     return name.replace(".", "::", 1) if "::" not in name else name
+
+
+def check_splitting_ops(names: Sequence[str], known: Sequence[str]) -> None:
+    """Every splitting op must name a registered op: a misspelt one would split nothing."""
+    for name in names:
+        if _normalize(name) in known:
+            continue
+        namespace, _, op = _normalize(name).partition("::")
+        try:
+            getattr(getattr(torch.ops, namespace), op)
+        except (AttributeError, RuntimeError):
+            raise ConfigError(
+                f"splitting_ops names {name!r}, which is not a registered op; kiln's attention "
+                f"ops are {', '.join(known)} (or pass [] to compile the forward as one graph)"
+            ) from None
 
 
 @dataclass

@@ -60,7 +60,9 @@ class CompilationConfig:
         if self.splitting_ops is not None:
             if not all(isinstance(s, str) for s in self.splitting_ops):
                 raise ConfigError(f"splitting_ops must be op names, got {self.splitting_ops!r}")
-            object.__setattr__(self, "splitting_ops", tuple(self.splitting_ops))
+            # vLLM spells ops "namespace.name"; torch's schema names are "namespace::name"
+            names = tuple(s if "::" in s else s.replace(".", "::", 1) for s in self.splitting_ops)
+            object.__setattr__(self, "splitting_ops", names)
 
     @classmethod
     def from_json(cls, text: str | dict[str, Any] | None) -> CompilationConfig:
