@@ -121,9 +121,14 @@ class EngineConfig:
     enforce_eager: bool = False
     strict_graphs: bool = False  # every change the graph plan would make is an error
     attention_backend: str = "auto"  # auto, torch or triton
+    boot_timeout: float | None = 1800.0  # seconds per boot phase; None or 0: no limit
 
     def __post_init__(self) -> None:
         parse_dtype(self.dtype)
+        if self.boot_timeout is not None and self.boot_timeout < 0:
+            raise ConfigError(
+                f"boot_timeout must be >= 0 seconds (0: no limit), got {self.boot_timeout}"
+            )
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")
 

@@ -13,6 +13,7 @@ import torch
 from kiln.attention import AttentionBackend
 from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
+from kiln.boot import BootPhases
 from kiln.compilation.backend import check_splitting_ops
 from kiln.compilation.cache import (
     CompileCacheEntry,
@@ -97,32 +98,37 @@ class LLMEngine:
         config = replace(config, scheduler=config.scheduler.for_device(self.device))
         self.config = config
         self.dtype = config.torch_dtype
+        self.boot = BootPhases(config.boot_timeout)
         t0 = time.monotonic()
-        self.source = open_model(config.model)
-        self.model_config = self.source.config
-        self.tokenizer = self.source.load_tokenizer()
-        self.attn_backend = select_backend(
-            config.attention_backend, self.device, config.cache.block_size
-        )
-        self.model = self._load_model()
-        self.max_model_len = self._resolve_max_model_len()
-        self.plan = self._resolve_plan(graph_backend)
-        self.compile_cache = self._open_compile_cache()
-        self.graph_backend = self._graph_backend(graph_backend)
-        self.runner = ModelRunner(
-            self.model,
-            self.attn_backend,
-            self.plan,
-            config.cache.block_size,
-            self._input_buffers(),
-            self.device,
-            self.graph_backend,
-        )
+        with self.boot.phase("load_model"):
+            self.source = open_model(config.model)
+            self.model_config = self.source.config
+            self.tokenizer = self.source.load_tokenizer()
+            self.attn_backend = select_backend(
+                config.attention_backend, self.device, config.cache.block_size
+            )
+            self.model = self._load_model()
+        with self.boot.phase("plan"):
+            self.max_model_len = self._resolve_max_model_len()
+            self.plan = self._resolve_plan(graph_backend)
+            self.compile_cache = self._open_compile_cache()
+            self.graph_backend = self._graph_backend(graph_backend)
+            self.runner = ModelRunner(
+                self.model,
+                self.attn_backend,
+                self.plan,
+                config.cache.block_size,
+                self._input_buffers(),
+                self.device,
+                self.graph_backend,
+            )
         self.capture = CaptureStats()
-        self.capture.reserved_bytes = self._measure_graph_memory()
-        num_blocks = self._size_kv_cache(self.capture.reserved_bytes)
-        self.runner.allocate_kv_cache(num_blocks, self.dtype)
-        self._fit_ladder_beside_fixed_kv()
+        with self.boot.phase("measure_graph_memory"):
+            self.capture.reserved_bytes = self._measure_graph_memory()
+        with self.boot.phase("allocate_kv_cache"):
+            num_blocks = self._size_kv_cache(self.capture.reserved_bytes)
+            self.runner.allocate_kv_cache(num_blocks, self.dtype)
+            self._fit_ladder_beside_fixed_kv()
         self.blocks = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -134,17 +140,25 @@ class LLMEngine:
         self.num_steps = 0
         # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
         self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
-        self.boot_phases: dict[str, float] = {}
-        self._warm_up()
-        self._capture_graphs()
-        self.boot_phases["boot_s"] = time.monotonic() - t0
+        with self.boot.phase("warm_up"):  # compiles in mode 3
+            self._warm_up()
+        with self.boot.phase("capture_graphs"):
+            self._capture_graphs()
+        self.boot_s = time.monotonic() - t0
         logger.info(
-            "engine ready in %.1f s: %s, %d KV blocks of %d tokens",
-            self.boot_phases["boot_s"],
+            "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
+            self.boot_s,
+            ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.boot.durations.items()),
             self.model_config.architecture,
             num_blocks,
             config.cache.block_size,
         )
+
+    @property
+    def boot_phases(self) -> dict[str, float]:
+        """Seconds per boot phase (`<phase>_s`) and in all (`boot_s`)."""
+        phases = {f"{name}_s": seconds for name, seconds in self.boot.durations.items()}
+        return {**phases, "boot_s": self.boot_s}
 
     def _load_model(self) -> torch.nn.Module:
         default_dtype = torch.get_default_dtype()
@@ -211,7 +225,6 @@ class LLMEngine:
     def _warm_up(self) -> None:
         """A prefill step then a decode step, so compilation happens at boot, not on the first
         request; afterwards every recompilation is counted and warned about."""
-        t0 = time.monotonic()
         n = max(1, min(8, self.max_model_len - 3))
         self.add_request(
             "__kiln_warmup__", [1] * n, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
@@ -223,7 +236,6 @@ class LLMEngine:
         self.blocks.reset_prefix_cache()
         self.runner.counters = type(self.runner.counters)()
         self.num_steps = 0
-        self.boot_phases["warm_up_s"] = time.monotonic() - t0
         if self.compile_cache is not None:
             self.compile_cache.seal()
 

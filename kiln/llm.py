@@ -34,6 +34,7 @@ def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
         "enforce_eager",
         "strict_graphs",
         "attention_backend",
+        "boot_timeout",
     }
     compilation = kwargs.pop("compilation_config", None)
     if not isinstance(compilation, CompilationConfig):

@@ -43,6 +43,13 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
         "max_cudagraph_capture_size, splitting_ops)",
     )
     g.add_argument(
+        "--boot-timeout",
+        type=float,
+        help="seconds each boot phase (load, plan, graph memory, KV cache, warm-up/compile, "
+        "capture) may take before it is reported with its stack and stopped; 0 = no limit "
+        "(default 1800)",
+    )
+    g.add_argument(
         "--enforce-eager",
         action="store_true",
         default=None,
@@ -79,6 +86,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "enforce_eager",
         "strict_graphs",
         "attention_backend",
+        "boot_timeout",
     )
     return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
 

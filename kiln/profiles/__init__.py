@@ -41,6 +41,7 @@ SERVE_KEYS: dict[str, type] = {
     "enforce_eager": bool,
     "strict_graphs": bool,
     "attention_backend": str,
+    "boot_timeout": float,
     "max_waiting_requests": int,
     "shutdown_timeout": float,
     "max_body_bytes": int,

@@ -1,0 +1,78 @@
+"""Boot phases, each timed and watched: a phase that runs past its limit is logged at ERROR
+with the phase's name and where the main thread is, then interrupted (the field report's MTP
+boot hung with no word on where)."""
+
+from __future__ import annotations
+
+import _thread
+import logging
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from kiln.errors import KilnError
+
+logger = logging.getLogger(__name__)
+
+
+class BootTimeoutError(KilnError):
+    """A boot phase ran past --boot-timeout."""
+
+
+class BootPhases:
+    """Runs boot phases one after another; `durations` holds each one's seconds."""
+
+    def __init__(self, timeout_s: float | None) -> None:
+        self.timeout_s = timeout_s
+        self.durations: dict[str, float] = {}
+        self.current: str | None = None
+        self._lock = threading.Lock()
+        self._expired: str | None = None
+        self._owner = threading.get_ident()
+
+    @contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        logger.info("boot: %s", name.replace("_", " "))
+        start = time.monotonic()
+        with self._lock:
+            self.current, self._expired = name, None
+            self._owner = threading.get_ident()
+        timer = None
+        if self.timeout_s:
+            timer = threading.Timer(self.timeout_s, self._expire, args=(name,))
+            timer.daemon = True
+            timer.start()
+        try:
+            yield
+        except KeyboardInterrupt:
+            if self._expired != name:
+                raise
+            raise BootTimeoutError(self._message(name)) from None
+        finally:
+            if timer is not None:
+                timer.cancel()
+            with self._lock:
+                self.current = None
+            self.durations[name] = time.monotonic() - start
+
+    def _expire(self, name: str) -> None:
+        with self._lock:
+            if self.current != name:
+                return  # the phase ended as the timer fired
+            self._expired = name
+        frame = sys._current_frames().get(self._owner)
+        stack = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
+        logger.error("%s; the booting thread is at:\n%s", self._message(name), stack)
+        # only the main thread can be interrupted; elsewhere the log is the signal
+        if self._owner == threading.main_thread().ident:
+            _thread.interrupt_main()
+
+    def _message(self, name: str) -> str:
+        return (
+            f"boot phase '{name}' did not finish within {self.timeout_s:g} s. Remedy: raise "
+            "--boot-timeout (0 turns the limit off) if it is only slow; if it hangs, the "
+            "stack logged with this message shows where"
+        )
