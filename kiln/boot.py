@@ -30,7 +30,8 @@ class BootPhases:
         self.durations: dict[str, float] = {}
         self.current: str | None = None
         self._lock = threading.Lock()
-        self._expired: str | None = None
+        self._count = 0  # phases started: a timer belongs to one of them, whatever its name
+        self._expired: int | None = None
         self._owner = threading.get_ident()
 
     @contextmanager
@@ -38,17 +39,17 @@ class BootPhases:
         logger.info("boot: %s", name.replace("_", " "))
         start = time.monotonic()
         with self._lock:
-            self.current, self._expired = name, None
-            self._owner = threading.get_ident()
+            self._count += 1
+            token, self.current, self._owner = self._count, name, threading.get_ident()
         timer = None
         if self.timeout_s:
-            timer = threading.Timer(self.timeout_s, self._expire, args=(name,))
+            timer = threading.Timer(self.timeout_s, self._expire, args=(name, token))
             timer.daemon = True
             timer.start()
         try:
             yield
         except KeyboardInterrupt:
-            if self._expired != name:
+            if self._expired != token:
                 raise
             raise BootTimeoutError(self._message(name)) from None
         finally:
@@ -58,11 +59,11 @@ class BootPhases:
                 self.current = None
             self.durations[name] = time.monotonic() - start
 
-    def _expire(self, name: str) -> None:
+    def _expire(self, name: str, token: int) -> None:
         with self._lock:
-            if self.current != name:
+            if self.current is None or self._count != token:
                 return  # the phase ended as the timer fired
-            self._expired = name
+            self._expired = token
         frame = sys._current_frames().get(self._owner)
         stack = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
         logger.error("%s; the booting thread is at:\n%s", self._message(name), stack)
