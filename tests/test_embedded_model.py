@@ -3,6 +3,8 @@ weights dequantized by HF's own GGUF loader), and the answers DESIGN.md records.
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 
@@ -31,11 +33,13 @@ def chat_ids(smollm_llm):
 def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
     """Greedy decoding that runs past EOS, like ignore_eos (HF's generate would stop, and its
     min_new_tokens would mask EOS instead)."""
+    # transformers renamed `past_key_values` to `cache` (5.2x); the GPU machine runs 5.17
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     out, past, step_ids = [], None, torch.tensor([ids])
     with torch.no_grad():
         for _ in range(n):
-            res = model(step_ids, past_key_values=past, use_cache=True)
-            past = res.past_key_values
+            res = model(step_ids, use_cache=True, **{name: past})
+            past = getattr(res, name)
             out.append(int(res.logits[0, -1].argmax()))
             step_ids = torch.tensor([[out[-1]]])
     return out
