@@ -21,46 +21,32 @@ from kiln.compilation.cache import (
     device_signature,
     kiln_source_hash,
 )
-from kiln.compilation.capture import CaptureStats, GraphMemoryEstimate, fit_ladder
-from kiln.compilation.graphs import CudaGraphBackend, EmulatedGraphBackend, GraphBackend
+from kiln.compilation.capture import CaptureStats
+from kiln.compilation.graphs import GraphBackend
 from kiln.compilation.plan import (
     AttentionCaps,
-    DeviceCaps,
     GraphPlan,
-    RuntimeMode,
     log_plan,
     resolve_graph_plan,
 )
 from kiln.config import EngineConfig
 from kiln.detokenizer import IncrementalDetokenizer
 from kiln.errors import ConfigError, EngineClosedError, InvalidRequestError
+from kiln.graph_boot import GraphBoot, device_caps, graph_backend_for
 from kiln.input_buffers import InputBuffers
 from kiln.loader import open_model
 from kiln.memory import available_memory, num_kv_blocks
 from kiln.model_runner import ModelRunner, kv_bytes_per_block
 from kiln.models import build_model
 from kiln.models.weights import load_weights
-from kiln.outputs import CompletionOutput, Logprobs, RequestMetrics, RequestOutput, TokenLogprob
+from kiln.outputs import Logprobs, RequestMetrics, RequestOutput, TokenLogprob
+from kiln.request import Request, validate_prompt
 from kiln.sampler import SamplingBatch, sample
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler import Scheduler
 from kiln.sequence import Sequence, SequenceCounter
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Request:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence]
-    metrics: RequestMetrics
-
-    @property
-    def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
 
 
 @dataclass
@@ -80,14 +66,6 @@ class EngineStats:
     def prefix_cache_hit_rate(self) -> float:
         q = self.prefix_cache_queried_tokens
         return self.prefix_cache_hit_tokens / q if q else 0.0
-
-
-def device_caps(device: torch.device, graph_backend: GraphBackend | None = None) -> DeviceCaps:
-    """CUDA devices capture graphs; so does any device given a graph backend (the CPU tests'
-    emulator)."""
-    if device.type == "cuda" or graph_backend is not None:
-        return DeviceCaps(device.type, True)
-    return DeviceCaps.cpu()
 
 
 class LLMEngine:
@@ -112,7 +90,7 @@ class LLMEngine:
             self.max_model_len = self._resolve_max_model_len()
             self.plan = self._resolve_plan(graph_backend)
             self.compile_cache = self._open_compile_cache()
-            self.graph_backend = self._graph_backend(graph_backend)
+            self.graph_backend = graph_backend_for(self.plan, self.device, graph_backend)
             self.runner = ModelRunner(
                 self.model,
                 self.attn_backend,
@@ -122,13 +100,15 @@ class LLMEngine:
                 self.device,
                 self.graph_backend,
             )
-        self.capture = CaptureStats()
+        self.graphs = GraphBoot(self.runner, self.graph_backend)
         with self.boot.phase("measure_graph_memory"):
-            self.capture.reserved_bytes = self._measure_graph_memory()
+            reserved = self.graphs.measure(self.dtype)
         with self.boot.phase("allocate_kv_cache"):
-            num_blocks = self._size_kv_cache(self.capture.reserved_bytes)
+            num_blocks = self._size_kv_cache(reserved)
             self.runner.allocate_kv_cache(num_blocks, self.dtype)
-            self._fit_ladder_beside_fixed_kv()
+            if config.cache.kv_cache_memory is not None:
+                free = available_memory(self.device)
+                self.plan = self.graphs.fit_beside_fixed_kv(free, config.strict_graphs)
         self.blocks = BlockManager(
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -143,7 +123,7 @@ class LLMEngine:
         with self.boot.phase("warm_up"):  # compiles in mode 3
             self._warm_up()
         with self.boot.phase("capture_graphs"):
-            self._capture_graphs()
+            self.graphs.capture()
         self.boot_s = time.monotonic() - t0
         logger.info(
             "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
@@ -153,6 +133,11 @@ class LLMEngine:
             num_blocks,
             config.cache.block_size,
         )
+
+    @property
+    def capture(self) -> CaptureStats:
+        """Graphs captured at boot: how many, how long, the memory measured and reserved."""
+        return self.graphs.stats
 
     @property
     def boot_phases(self) -> dict[str, float]:
@@ -249,57 +234,6 @@ class LLMEngine:
             )
         return asked or limit
 
-    # ---- CUDA graphs ----------------------------------------------------------------------
-
-    def _graph_backend(self, given: GraphBackend | None) -> GraphBackend | None:
-        p = self.plan
-        if p.decode_mode is RuntimeMode.NONE and p.mixed_mode is RuntimeMode.NONE:
-            return None
-        return given or CudaGraphBackend(self.device)
-
-    def _measure_graph_memory(self) -> int:
-        """Capture the largest graph of each kind on a provisional two-block KV cache (capture
-        batches are all padding: they read and write no KV) and measure the memory it takes;
-        the KV cache is then sized beside it."""
-        gb = self.graph_backend
-        if gb is None or isinstance(gb, EmulatedGraphBackend):
-            return 0
-        self.runner.allocate_kv_cache(2, self.dtype)
-        before = gb.memory_in_use()
-        self.runner.capture_graphs(only_largest=True)
-        measured = max(0, gb.memory_in_use() - before)
-        self.runner.drop_graphs()
-        self.runner.kv_caches = []
-        gb.release()
-        sizes = self.plan.decode_capture_sizes + self.plan.mixed_capture_sizes
-        self.graph_estimate = GraphMemoryEstimate(measured, max(sizes, default=0))
-        logger.info("graph memory measured before KV sizing: %.2f GiB", measured / 2**30)
-        return measured
-
-    def _fit_ladder_beside_fixed_kv(self) -> None:
-        if self.config.cache.kv_cache_memory is None or not self.capture.reserved_bytes:
-            return
-        free = available_memory(self.device)
-        plan = fit_ladder(self.plan, self.graph_estimate, free, self.config.strict_graphs)
-        self.plan = self.runner.plan = plan
-
-    def _capture_graphs(self) -> None:
-        gb = self.graph_backend
-        if gb is None:
-            return
-        t0, before = time.monotonic(), gb.memory_in_use()
-        self.capture.graphs = self.runner.capture_graphs()
-        self.capture.memory_bytes = max(0, gb.memory_in_use() - before)
-        self.capture.seconds = time.monotonic() - t0
-        self.runner.counters = type(self.runner.counters)()
-        logger.info(
-            "captured %d graphs in %.1f s, using %.2f GiB (%.2f GiB reserved before KV sizing)",
-            self.capture.graphs,
-            self.capture.seconds,
-            self.capture.memory_bytes / 2**30,
-            self.capture.reserved_bytes / 2**30,
-        )
-
     def _size_kv_cache(self, graph_reserve: int = 0) -> int:
         bs = self.config.cache.block_size
         per_block = kv_bytes_per_block(self.model, bs, self.dtype)
@@ -334,7 +268,7 @@ class LLMEngine:
         request handlers while the engine loop runs."""
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self._validate(ids, params)
+        validate_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
         return text, ids
 
     def add_prepared(
@@ -354,27 +288,6 @@ class LLMEngine:
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if not ids:
-            raise InvalidRequestError("the prompt is empty; send at least one token", "prompt")
-        if any(not 0 <= t < vocab for t in ids):
-            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab})", "prompt")
-        limit = self.max_model_len
-        if len(ids) >= limit:
-            raise InvalidRequestError(
-                f"the prompt has {len(ids)} tokens but max_model_len is {limit}: it must be "
-                f"shorter by at least one token",
-                "prompt",
-            )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
-            raise InvalidRequestError(
-                f"the prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds "
-                f"max_model_len ({limit})",
-                "max_tokens",
-            )
-        params.validate_for_vocab(vocab)
 
     def _new_sequence(
         self,
@@ -416,7 +329,7 @@ class LLMEngine:
             if not seq.finished:
                 seq.finish_reason = "abort"
                 self.scheduler.finish(seq)
-        return self._output(request)
+        return request.output()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -450,7 +363,7 @@ class LLMEngine:
         outputs = []
         for request_id in dict.fromkeys(s.request_id for s in sampling_seqs):
             request = self.requests[request_id]
-            outputs.append(self._output(request))
+            outputs.append(request.output())
             if request.finished:
                 del self.requests[request_id]
         return outputs
@@ -500,39 +413,6 @@ class LLMEngine:
         if seq.finish_reason is not None:
             seq.metrics.finished_time = time.monotonic()
             self.scheduler.finish(seq)
-
-    def _output(self, request: Request) -> RequestOutput:
-        completions = []
-        for seq in request.seqs:
-            delta = seq.detokenizer.take_delta(final=seq.finished)
-            new_ids = seq.output_token_ids[seq.num_reported_tokens :]
-            seq.num_reported_tokens += len(new_ids)
-            completions.append(
-                CompletionOutput(
-                    index=seq.index,
-                    text=seq.detokenizer.text[: seq.detokenizer.emitted],
-                    token_ids=seq.output_token_ids,
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    logprobs=seq.logprobs if seq.params.logprobs is not None else None,
-                    cumulative_logprob=seq.cumulative_logprob
-                    if seq.params.logprobs is not None
-                    else None,
-                    delta_text=delta,
-                    delta_token_ids=new_ids,
-                    metrics=seq.metrics,
-                )
-            )
-        cached = request.seqs[0].num_cached_tokens or 0
-        return RequestOutput(
-            request.request_id,
-            request.prompt,
-            request.prompt_token_ids,
-            completions,
-            request.finished,
-            cached,
-            request.metrics,
-        )
 
     def capture_stats(self) -> dict[str, float]:
         """Graphs captured at boot: how many, how long, the memory measured and reserved."""
