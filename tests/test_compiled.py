@@ -30,6 +30,17 @@ def _schedule():
     return [(t, p, params) for t, p in zip([0, 0, 1, 2, 4, 6], prompts)]
 
 
+def _assert_matches_eager(eager, compiled) -> dict:
+    """The schedule's greedy tokens and logits on `compiled` equal eager's; its outputs."""
+    ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
+    out, logits = run_schedule(compiled, _schedule(), record_logits=True)
+    for rid in ref:
+        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    return out
+
+
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
 def engines(request, tiny_models):
     path = tiny_models[request.param]
@@ -40,12 +51,7 @@ def engines(request, tiny_models):
 
 def test_compiled_logits_equal_eager(engines):
     eager, compiled = engines
-    ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
-    out, logits = run_schedule(compiled, _schedule(), record_logits=True)
-    for rid in ref:
-        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    out = _assert_matches_eager(eager, compiled)
     assert out["5"].num_cached_tokens > 0  # prefix hits ran through the compiled path too
 
 
@@ -91,12 +97,7 @@ def test_unsplit_compile_matches_eager_and_owns_its_caches(tiny_models):
     assert len(caches) == 2 * whole.model_config.num_layers
     assert all(t._base is None for t in caches)
     assert len({t.untyped_storage().data_ptr() for t in caches}) == len(caches)
-    ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
-    out, logits = run_schedule(whole, _schedule(), record_logits=True)
-    for rid in ref:
-        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    _assert_matches_eager(eager, whole)
     stats = whole.runner.compile_backend.stats
     assert (stats.pieces, stats.splitting_op_calls, stats.compilations) == (1, 0, 1)
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from kiln.compilation.config import qualified_op_name
 from kiln.compilation.graphs import PiecewiseGraphs
 from kiln.errors import ConfigError, KilnError
 
@@ -33,16 +34,12 @@ def op_name(target: Any) -> str | None:
     return getattr(target, "_qualified_op_name", None)
 
 
-def _normalize(name: str) -> str:
-    return name.replace(".", "::", 1) if "::" not in name else name
-
-
 def check_splitting_ops(names: Sequence[str], known: Sequence[str]) -> None:
     """Every splitting op must name a registered op: a misspelt one would split nothing."""
     for name in names:
-        if _normalize(name) in known:
+        if qualified_op_name(name) in known:
             continue
-        namespace, _, op = _normalize(name).partition("::")
+        namespace, _, op = qualified_op_name(name).partition("::")
         try:
             getattr(getattr(torch.ops, namespace), op)
         except (AttributeError, RuntimeError):
@@ -103,7 +100,7 @@ class SplitBackend:
     def __init__(
         self, splitting_ops: Sequence[str], debug_contiguity: bool = False, inductor: bool = True
     ) -> None:
-        self.splitting_ops = {_normalize(s) for s in splitting_ops}
+        self.splitting_ops = {qualified_op_name(s) for s in splitting_ops}
         self.debug_contiguity = debug_contiguity
         self.inductor = inductor
         self.stats = CompileStats()

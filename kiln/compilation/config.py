@@ -33,6 +33,11 @@ class CUDAGraphMode(enum.Enum):
 COMPILATION_MODES = (0, 3)
 
 
+def qualified_op_name(name: str) -> str:
+    """vLLM spells ops "namespace.name"; torch's schema names are "namespace::name"."""
+    return name if "::" in name else name.replace(".", "::", 1)
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     mode: int | None = None  # 0: eager, 3: torch.compile with kiln's split backend
@@ -60,8 +65,7 @@ class CompilationConfig:
         if self.splitting_ops is not None:
             if not all(isinstance(s, str) for s in self.splitting_ops):
                 raise ConfigError(f"splitting_ops must be op names, got {self.splitting_ops!r}")
-            # vLLM spells ops "namespace.name"; torch's schema names are "namespace::name"
-            names = tuple(s if "::" in s else s.replace(".", "::", 1) for s in self.splitting_ops)
+            names = tuple(qualified_op_name(s) for s in self.splitting_ops)
             object.__setattr__(self, "splitting_ops", names)
 
     @classmethod
