@@ -1,10 +1,12 @@
 """Boot phases, each timed and watched: a phase that runs past its limit is logged at ERROR
-with the phase's name and where the main thread is, then interrupted (the field report's MTP
-boot hung with no word on where)."""
+with the phase's name and where the booting thread is, then interrupted (the field report's MTP
+boot hung with no word on where). The server boots on its engine thread, so the interruption
+reaches whichever thread runs the phase."""
 
 from __future__ import annotations
 
 import _thread
+import ctypes
 import logging
 import sys
 import threading
@@ -67,9 +69,7 @@ class BootPhases:
         frame = sys._current_frames().get(self._owner)
         stack = "".join(traceback.format_stack(frame)) if frame else "(thread gone)\n"
         logger.error("%s; the booting thread is at:\n%s", self._message(name), stack)
-        # only the main thread can be interrupted; elsewhere the log is the signal
-        if self._owner == threading.main_thread().ident:
-            _thread.interrupt_main()
+        interrupt(self._owner)
 
     def _message(self, name: str) -> str:
         return (
@@ -77,3 +77,16 @@ class BootPhases:
             "--boot-timeout (0 turns the limit off) if it is only slow; if it hangs, the "
             "stack logged with this message shows where"
         )
+
+
+def interrupt(thread_id: int) -> None:
+    """Raise KeyboardInterrupt in a thread at its next Python instruction. The main thread
+    gets a real SIGINT (which also ends a blocking sleep or read); another thread gets an
+    asynchronous exception, delivered once a C call it is inside returns."""
+    if thread_id == threading.main_thread().ident:
+        _thread.interrupt_main()
+        return
+    set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
+    set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
+    if set_async_exc(thread_id, KeyboardInterrupt) != 1:
+        logger.error("could not interrupt the booting thread (it has ended)")

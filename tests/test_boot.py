@@ -4,6 +4,7 @@ logged at ERROR with its name and stack, then stopped with an error naming the r
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import pytest
@@ -34,6 +35,27 @@ def test_a_phase_past_its_limit_is_logged_and_stopped(caplog):
     assert "boot phase 'spin'" in error and "--boot-timeout" in error
     assert "_spin_until" in error  # where the booting thread was
     assert set(boot.durations) == {"quick", "spin"} and boot.durations["spin"] >= 0.3
+
+
+def test_a_phase_on_another_thread_is_stopped_there(caplog):
+    """The server boots on its engine thread: the watchdog must stop that thread, not main."""
+    boot, raised = BootPhases(timeout_s=0.3), []
+
+    def booting() -> None:
+        try:
+            with boot.phase("spin"):
+                _spin_until(time.monotonic() + 60)
+        except BaseException as exc:
+            raised.append(exc)
+
+    thread = threading.Thread(target=booting)
+    start = time.monotonic()
+    with caplog.at_level(logging.ERROR):
+        thread.start()
+        thread.join(timeout=30)
+    assert not thread.is_alive() and time.monotonic() - start < 30
+    assert len(raised) == 1 and isinstance(raised[0], BootTimeoutError)
+    assert any("_spin_until" in r.getMessage() for r in caplog.records)
 
 
 def test_a_real_interrupt_is_not_a_timeout():

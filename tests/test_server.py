@@ -326,3 +326,34 @@ def test_overload_and_graceful_shutdown():
         assert srv.proc.wait(60) == 0
     finally:
         srv.stop()
+
+
+def test_engine_boots_and_steps_on_its_loop_thread(tiny_models):
+    """The engine is built on the thread that steps it (libgomp slows a thread other than the
+    one that booted torch); a boot error comes back to the caller."""
+    import threading
+
+    from kiln.errors import KilnError
+    from kiln.server.async_engine import AsyncEngine
+    from tests.helpers import make_engine
+
+    booted_on = []
+
+    def build():
+        booted_on.append(threading.current_thread())
+        return make_engine(tiny_models["llama"])
+
+    engine = AsyncEngine(build)
+
+    async def generate() -> list[int]:
+        params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        outs = [o async for o in engine.generate("r", None, [5, 6, 7], params)]
+        return outs[-1].outputs[0].token_ids
+
+    try:
+        assert booted_on == [engine._thread] and booted_on[0] is not threading.current_thread()
+        assert len(asyncio.run(generate())) == 4
+    finally:
+        engine.stop(timeout=30)
+    with pytest.raises(KilnError):
+        AsyncEngine(lambda: make_engine("/nonexistent/model"))
