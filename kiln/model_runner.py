@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.attention import AttentionBackend, AttentionMetadata
-from kiln.compilation.backend import SplitBackend, mark_dynamic_dims
+from kiln.compilation.backend import SplitBackend, mark_dynamic_dims, skip_weight_guards
 from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
@@ -63,7 +63,10 @@ class ModelRunner:
         if plan.mode == 3:
             self.compile_backend = SplitBackend(plan.splitting_ops, plan.requested.debug_contiguity)
             self.forward = torch.compile(
-                model.forward, backend=self.compile_backend, fullgraph=True
+                model.forward,
+                backend=self.compile_backend,
+                fullgraph=True,
+                options={"guard_filter_fn": skip_weight_guards},
             )
         self.full: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None

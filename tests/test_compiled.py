@@ -11,7 +11,13 @@ import torch
 
 from kiln import SamplingParams
 from kiln.compilation import CompilationConfig
-from kiln.compilation.backend import ContiguityError, _check_contiguous, _Piece, _SplitCall
+from kiln.compilation.backend import (
+    ContiguityError,
+    _check_contiguous,
+    _Piece,
+    _SplitCall,
+    skip_weight_guards,
+)
 from tests.helpers import make_engine, run_schedule
 
 # split at attention explicitly: with no piecewise graphs to replay (the CPU) the default is
@@ -102,10 +108,24 @@ def test_unsplit_compile_matches_eager_and_owns_its_caches(tiny_models):
     assert (stats.pieces, stats.splitting_op_calls, stats.compilations) == (1, 0, 1)
 
 
-def test_recompilation_is_counted_and_warned(tiny_models, caplog):
+def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
+    """Also: Dynamo drops its guards on the weights only (skip_weight_guards); the guards on
+    the inputs stay, which is what makes the recompilation below happen."""
+    seen: list[tuple[object, bool]] = []
+
+    def recording_filter(guards):
+        keep = skip_weight_guards(guards)
+        seen.extend((g, k) for g, k in zip(guards, keep) if g.guard_type == "TENSOR_MATCH")
+        return keep
+
+    monkeypatch.setattr("kiln.model_runner.skip_weight_guards", recording_filter)
     engine = make_engine(
         tiny_models["llama"], compilation=CompilationConfig(mode=3, splitting_ops=SPLIT)
     )
+    is_weight = [isinstance(g.value, torch.nn.Parameter) for g, _ in seen]
+    assert sum(is_weight) >= 4 * engine.model_config.num_layers  # norms, qkv, o, mlp
+    assert [keep for _, keep in seen] == [not w for w in is_weight]
+    assert any(keep and g.value is engine.runner.kv_caches[0][0] for g, keep in seen)
     runner = engine.runner
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
