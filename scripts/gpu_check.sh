@@ -1,15 +1,33 @@
 #!/usr/bin/env bash
-# For a session with a CUDA GPU: every CUDA-marked test, then the graph-mode benchmark on a
-# random-weight model with Qwen3-0.6B's shapes in bf16; the benchmark's table prints last.
+# For a session with a CUDA GPU: every CUDA-marked test, the Triton tests, then the graph-mode
+# benchmark on a random-weight model with Qwen3-0.6B's shapes in bf16; its table prints last.
+#
+# Sized for the device budget (15 minutes per session, machine start included): the parts have
+# their own deadlines, 7 minutes together, which leaves time for one rerun of a part. Each part
+# logs under $OUT (what the device tool brings back), so a part cut at its deadline still
+# reports; the benchmark prints and saves each row as it is measured, FULL and PIECEWISE first.
 # Runs against the machine's preinstalled torch (no install): PYTHONPATH=. puts kiln on the path.
+#
+#   bash scripts/gpu_check.sh                 # everything
+#   bash scripts/gpu_check.sh bench           # one part: tests | triton | bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=.
+export PYTHONPATH=. PYTHONUNBUFFERED=1
 export KILN_CACHE_DIR=${KILN_CACHE_DIR:-/tmp/kiln-gpu-cache}
-OUT=${OUT:-/tmp}
-python -c "import torch; print(torch.__version__, torch.cuda.get_device_name())"
-# real CUDA graphs in the five modes, then the Triton kernels compiled for the GPU
-timeout 360 python -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tail -20
-timeout 120 python -m pytest -q tests/test_triton_backend.py 2>&1 | tail -5
-timeout 240 python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \
-  --output "$OUT/graph_modes.json" 2>&1 | grep -v Warning | tail -12
+OUT=${OUT:-/tmp/kiln-gpu-check}
+mkdir -p "$OUT"
+PART=${1:-all}
+python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+
+if [[ $PART == all || $PART == tests ]]; then
+  # real CUDA graphs in the five modes vs eager, graph misses, graph memory vs the reservation
+  timeout 200 python -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -15
+fi
+if [[ $PART == all || $PART == triton ]]; then
+  # the Triton kernels on the GPU (interpreter tests too) and compiled for sm_90
+  timeout 45 python -m pytest -q tests/test_triton_backend.py 2>&1 | tee "$OUT/triton_tests.log" | tail -4
+fi
+if [[ $PART == all || $PART == bench ]]; then
+  timeout 175 python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \
+    --output "$OUT/graph_modes.json" 2>&1 | grep -v Warning | tee "$OUT/graph_modes.log" | tail -9
+fi
