@@ -80,9 +80,9 @@ class BootPhases:
 
 
 def interrupt(thread_id: int) -> None:
-    """Raise KeyboardInterrupt in a thread at its next Python instruction. The main thread
-    gets a real SIGINT (which also ends a blocking sleep or read); another thread gets an
-    asynchronous exception, delivered once a C call it is inside returns."""
+    """Raise KeyboardInterrupt in a thread at its next Python instruction (a C call it is
+    inside finishes first): a simulated SIGINT for the main thread, an asynchronous exception
+    for any other."""
     if thread_id == threading.main_thread().ident:
         _thread.interrupt_main()
         return

@@ -357,3 +357,29 @@ def test_engine_boots_and_steps_on_its_loop_thread(tiny_models):
         engine.stop(timeout=30)
     with pytest.raises(KilnError):
         AsyncEngine(lambda: make_engine("/nonexistent/model"))
+
+
+def test_an_interrupted_boot_stops_the_booting_thread():
+    """Ctrl-C while the engine boots on the loop thread ends that thread as well."""
+    import _thread
+    import threading
+    import time
+
+    from kiln.server.async_engine import AsyncEngine
+
+    started, threads = threading.Event(), []
+
+    def hanging_boot():
+        threads.append(threading.current_thread())
+        started.set()
+        while True:  # a boot phase stuck in Python code
+            time.sleep(0.01)
+
+    def press_ctrl_c():
+        started.wait(30)
+        _thread.interrupt_main()
+
+    threading.Thread(target=press_ctrl_c, daemon=True).start()
+    with pytest.raises(KeyboardInterrupt):
+        AsyncEngine(hanging_boot)
+    assert len(threads) == 1 and not threads[0].is_alive()

@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
+from kiln.boot import interrupt
 from kiln.engine import LLMEngine
 from kiln.errors import KilnError
 from kiln.outputs import RequestOutput
@@ -66,8 +67,17 @@ class AsyncEngine:
             name="kiln-engine",
             daemon=True,
         )
-        self._thread.start()
-        booted.wait()
+        try:
+            self._thread.start()
+            # woken often: a Ctrl-C that lands on another thread, or a simulated one, is only
+            # handled when the main thread runs Python code
+            while not booted.wait(0.1):
+                pass
+        except KeyboardInterrupt:  # Ctrl-C during boot: stop the boot too, not only the wait
+            if self._thread.ident is not None:
+                interrupt(self._thread.ident)
+                self._thread.join(timeout=30)
+            raise
         if self._boot_error is not None:
             raise self._boot_error
 
