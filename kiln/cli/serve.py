@@ -119,8 +119,8 @@ def run_serve(args: argparse.Namespace) -> int:
 
     args = resolve_serve_args(args)
     logging.getLogger("kiln").setLevel(logging.INFO)
-    config = engine_config(args.model, **engine_kwargs(args))
-    async_engine = AsyncEngine(lambda: LLMEngine(config), args.max_waiting_requests)
+    engine_cfg = engine_config(args.model, **engine_kwargs(args))
+    async_engine = AsyncEngine(lambda: LLMEngine(engine_cfg), args.max_waiting_requests)
     engine = async_engine.engine
     name = args.served_model_name or _served_name(args.model, engine.source.path)
     app = build_app(async_engine, name, args.api_key, args.max_body_bytes)
