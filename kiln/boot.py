@@ -5,7 +5,6 @@ reaches whichever thread runs the phase."""
 
 from __future__ import annotations
 
-import _thread
 import ctypes
 import logging
 import sys
@@ -81,11 +80,10 @@ class BootPhases:
 
 def interrupt(thread_id: int) -> None:
     """Raise KeyboardInterrupt in a thread at its next Python instruction (a C call it is
-    inside finishes first): a simulated SIGINT for the main thread, an asynchronous exception
-    for any other."""
-    if thread_id == threading.main_thread().ident:
-        _thread.interrupt_main()
-        return
+    inside finishes first). An asynchronous exception for every thread, the main one too:
+    `_thread.interrupt_main` does nothing where SIGINT is ignored (a process started in the
+    background by a non-interactive shell, or under nohup) and calls whatever Python handler
+    is installed otherwise."""
     set_async_exc = ctypes.pythonapi.PyThreadState_SetAsyncExc
     set_async_exc.argtypes = (ctypes.c_ulong, ctypes.py_object)
     if set_async_exc(thread_id, KeyboardInterrupt) != 1:
