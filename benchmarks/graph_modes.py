@@ -6,7 +6,13 @@ side in one run, with ratios to the first configuration.
 
 On a CUDA device the default configurations are a mode-0 baseline and the five graph modes under
 mode 3; the table shows what each resolved to (the plan), so a configuration that was changed is
-visible next to its numbers."""
+visible next to its numbers.
+
+On the CPU every configuration is booted first and measured `--rounds` times (default 3),
+interleaved, and the table shows medians over rounds, then every round's values: a shared
+machine's speed drifts over minutes, and one configuration measured after the other would take
+that drift for a difference between them. On a GPU the default is one round, one engine at a time
+(each sizes its KV cache from free memory)."""
 
 from __future__ import annotations
 
@@ -51,10 +57,11 @@ def random_qwen3_0_6b(dtype: str) -> str:
     return path
 
 
-def _decode_ms(llm: LLM, batch: int, steps: int, vocab: int) -> float:
+def _decode_ms(llm: LLM, batch: int, steps: int, vocab: int, salt: int) -> float:
     eng = llm.engine
     for i in range(batch):
-        prompt = [(7 * i + j) % (vocab - 10) + 5 for j in range(32)]
+        start = 7 * i + 101 * batch + 1009 * salt  # no two measured prompts share a prefix
+        prompt = [(start + j) % (vocab - 10) + 5 for j in range(32)]
         params = SamplingParams(temperature=0, max_tokens=steps + 4, ignore_eos=True)
         eng.add_request(f"d{batch}-{i}", prompt, params)
     pending = eng.scheduler.running + list(eng.scheduler.waiting)
@@ -71,13 +78,16 @@ def _decode_ms(llm: LLM, batch: int, steps: int, vocab: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int) -> dict:
+def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int, salt: int = 0) -> dict:
+    """`salt` varies the prompts, so that a second measurement of one engine hits no prefix
+    cache."""
     vocab = min(llm.engine.model_config.vocab_size, 49152)
-    decode = {b: _decode_ms(llm, b, steps, vocab) for b in batches}
+    decode = {b: _decode_ms(llm, b, steps, vocab, salt) for b in batches}
     params = SamplingParams(max_tokens=1)
     llm.generate({"prompt_token_ids": [(3 * j) % 4000 + 5 for j in range(prefill_len)]}, params)
     res = llm.generate(
-        {"prompt_token_ids": [(5 * j + 1) % 4000 + 5 for j in range(prefill_len)]}, params
+        {"prompt_token_ids": [(5 * j + 1 + 7 * salt) % 4000 + 5 for j in range(prefill_len)]},
+        params,
     )[0]
     return {
         "decode_ms": decode,
@@ -117,6 +127,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--configs", nargs="+", help="compilation configs as JSON")
     parser.add_argument("--output")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        help="measure every configuration this many times, interleaved (default: 3 on the CPU, "
+        "1 on a GPU)",
+    )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     model = random_qwen3_0_6b(args.dtype) if args.model == "qwen3-0.6b-random" else args.model
@@ -129,37 +145,91 @@ def main() -> None:
         configs = ['{"mode": 0}', '{"mode": 3}']
     batches = args.batches or ([1, 8, 32, 128] if cuda else [1, 8, 32])
     prefill_len = args.prefill_len or (2048 if cuda else 512)
+    args.rounds = args.rounds or (1 if cuda else 3)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
+    boot = dict(
+        dtype=args.dtype,
+        max_model_len=4096,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=max(prefill_len, max(batches)),
+        # engines that coexist (rounds > 1) cannot each size their cache from free GPU memory
+        kv_cache_memory="4GiB" if not cuda or args.rounds > 1 else None,
+    )
+    if args.rounds > 1:
+        rows = interleaved(model, configs, boot, batches, prefill_len, args)
+    else:
+        rows = sequential(model, configs, boot, batches, prefill_len, args)
+    print("\n" + table(rows, batches))
+    if args.rounds > 1:
+        print("\nevery round (decode ms per batch size; prefill tok/s):")
+        for r in rows:
+            per_batch = "; ".join(
+                f"b={b} " + " ".join(f"{ms:.1f}" for ms in r["decode_ms_rounds"][b])
+                for b in batches
+            )
+            prefill = " ".join(f"{x:.0f}" for x in r["prefill_tok_s_rounds"])
+            print(f"  {r['config']}: {per_batch}; prefill {prefill}")
+
+
+def boot_engine(model: str | None, cfg: str, boot: dict) -> tuple[LLM, dict]:
+    t0 = time.perf_counter()
+    llm = LLM(model, compilation_config=cfg, **boot)
+    plan = llm.engine.plan
+    row = {
+        "config": cfg,
+        "resolved": f"mode {plan.mode} {plan.cudagraph_mode.value}",
+        "boot_s": time.perf_counter() - t0,
+        "capture": llm.engine.capture_stats(),
+    }
+    return llm, row
+
+
+def sequential(model, configs, boot, batches, prefill_len, args) -> list[dict]:
+    """One configuration at a time, each engine closed before the next boots (on a GPU the next
+    sizes its KV cache from the memory this frees)."""
     rows = []
     print(table_head(batches), flush=True)
     for cfg in configs:
-        t0 = time.perf_counter()
-        llm = LLM(
-            model,
-            dtype=args.dtype,
-            max_model_len=4096,
-            max_num_seqs=max(batches),
-            max_num_batched_tokens=max(prefill_len, max(batches)),
-            kv_cache_memory=None if cuda else "4GiB",
-            compilation_config=cfg,
-        )
-        boot = time.perf_counter() - t0
-        plan = llm.engine.plan
-        rows.append(
-            {
-                "config": cfg,
-                "resolved": f"mode {plan.mode} {plan.cudagraph_mode.value}",
-                "boot_s": boot,
-                "capture": llm.engine.capture_stats(),
-                **measure(llm, batches, prefill_len, args.steps),
-            }
-        )
-        llm.close()  # the next configuration sizes its KV cache from the memory this frees
+        llm, row = boot_engine(model, cfg, boot)
+        rows.append({**row, **measure(llm, batches, prefill_len, args.steps)})
+        llm.close()
         del llm
         # each row as soon as it is measured: a run cut short by a time limit still reports
         print(table_row(rows[-1], rows[0], batches), flush=True)
         if args.output:
-            save(args.output, cuda, rows)
-    print("\n" + table(rows, batches))
+            save(args.output, torch.cuda.is_available(), rows)
+    return rows
+
+
+def interleaved(model, configs, boot, batches, prefill_len, args) -> list[dict]:
+    """Every engine booted first, then measured in rounds, the order rotated each round: this
+    machine's speed drifts by tens of percent over minutes (docs/performance.md), which
+    measuring one configuration after the other would book as a difference between them."""
+    engines = [boot_engine(model, cfg, boot) for cfg in configs]
+    samples: list[list[dict]] = [[] for _ in engines]
+    for r in range(args.rounds):
+        for i in [(r + k) % len(engines) for k in range(len(engines))]:
+            samples[i].append(measure(engines[i][0], batches, prefill_len, args.steps, salt=r))
+        print(f"round {r + 1}/{args.rounds} done", flush=True)
+    rows = [{**row, **merge(s)} for (_, row), s in zip(engines, samples)]
+    for llm, _ in engines:
+        llm.close()
+    if args.output:
+        save(args.output, torch.cuda.is_available(), rows)
+    return rows
+
+
+def merge(samples: list[dict]) -> dict:
+    """Median over rounds, with every round's value kept for the spread."""
+    batches = samples[0]["decode_ms"]
+    return {
+        "decode_ms": {b: statistics.median(s["decode_ms"][b] for s in samples) for b in batches},
+        "decode_ms_rounds": {b: [s["decode_ms"][b] for s in samples] for b in batches},
+        "prefill_tok_s": statistics.median(s["prefill_tok_s"] for s in samples),
+        "prefill_tok_s_rounds": [s["prefill_tok_s"] for s in samples],
+        "graphs": samples[-1]["graphs"],
+    }
 
 
 def save(path: str, cuda: bool, rows: list[dict]) -> None:
