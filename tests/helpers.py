@@ -22,10 +22,12 @@ def make_engine(
     compilation: CompilationConfig | None = None,
     attention_backend: str = "auto",
     graph_backend=None,
+    dtype: str = "float32",
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
             model=model,
+            dtype=dtype,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

@@ -5,6 +5,8 @@ block sizes."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -67,6 +69,25 @@ def test_logits_match_hf(tiny_models, hf_models, name, block_size, prefix_cachin
         assert cached == 0
     stats = engine.stats()
     assert stats.num_free_blocks == stats.num_blocks
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3"])
+def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16s(tiny_models, hf_models, name):
+    """bf16 on the CPU (oneDNN's bf16 weights where the CPU has AVX512-BF16): kiln's logits
+    stray from HF's fp32 logits no further than HF's own bf16 model does."""
+    engine = make_engine(tiny_models[name], max_num_batched_tokens=24, dtype="bfloat16")
+    prompts = _prompts()
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    finals, logits = run_schedule(
+        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True
+    )
+    hf_bf16 = copy.deepcopy(hf_models[name]).to(torch.bfloat16)
+    for rid, out in finals.items():
+        prompt, generated = prompts[int(rid)], out.outputs[0].token_ids
+        ref = _hf_logits(hf_models[name], prompt, generated)
+        theirs = (_hf_logits(hf_bf16, prompt, generated).float() - ref).abs().max().item()
+        ours = (torch.stack(logits[rid]).float() - ref).abs().max().item()
+        assert ours <= 2 * theirs, (rid, ours, theirs)
 
 
 def test_mixed_batches_really_mixed(tiny_models):

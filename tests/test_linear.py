@@ -1,0 +1,45 @@
+"""The CPU weight layouts of `Linear`: each dtype gets oneDNN's prepacked weight where this CPU
+runs it natively, the transposed BLAS layout otherwise, and every layout computes x W^T + b as
+well as `F.linear` in the same dtype does (against a float64 reference)."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kiln.layers.linear import Linear, onednn_runs
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _layer(dtype: torch.dtype, bias: bool) -> Linear:
+    g = torch.Generator().manual_seed(0)
+    layer = Linear(96, 160, bias=bias)
+    layer.load_weight("w", torch.randn(160, 96, generator=g))
+    if bias:
+        layer.load_bias("b", torch.randn(160, generator=g))
+    return layer.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_finalize_picks_onednn_where_it_runs_natively(dtype):
+    layer = _layer(dtype, bias=False)
+    layer.finalize(torch.device("cpu"))
+    assert layer.layout == ("onednn" if onednn_runs(dtype) else "transposed")
+    assert layer.weight.dtype == dtype
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 96), (7, 96), (2, 3, 96)])
+def test_every_layout_matches_f_linear(dtype, bias, shape):
+    layer = _layer(dtype, bias)
+    w = layer.weight.detach().clone()
+    b = None if layer.bias is None else layer.bias.detach().clone()
+    layer.finalize(torch.device("cpu"))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    ref = F.linear(x.double(), w.double(), None if b is None else b.double())
+    # F.linear in the same dtype is the yardstick: its rounding is what the dtype allows
+    allowed = (F.linear(x, w, b).double() - ref).abs().max().item()
+    got = layer(x)
+    assert got.shape == (*shape[:-1], 160) and got.dtype == dtype
+    assert (got.double() - ref).abs().max().item() <= 2 * allowed + 1e-5
