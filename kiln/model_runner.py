@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from kiln.attention import AttentionBackend, AttentionMetadata
-from kiln.compilation.backend import SplitBackend, mark_dynamic_dims, skip_weight_guards
+from kiln.compilation.backend import SplitBackend, mark_dynamic_dims, model_guard_filter
 from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
@@ -66,7 +66,7 @@ class ModelRunner:
                 model.forward,
                 backend=self.compile_backend,
                 fullgraph=True,
-                options={"guard_filter_fn": skip_weight_guards},
+                options={"guard_filter_fn": model_guard_filter},
             )
         self.full: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None

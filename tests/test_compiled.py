@@ -16,7 +16,7 @@ from kiln.compilation.backend import (
     _check_contiguous,
     _Piece,
     _SplitCall,
-    skip_weight_guards,
+    model_guard_filter,
 )
 from tests.helpers import make_engine, run_schedule
 
@@ -109,23 +109,30 @@ def test_unsplit_compile_matches_eager_and_owns_its_caches(tiny_models):
 
 
 def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
-    """Also: Dynamo drops its guards on the weights only (skip_weight_guards); the guards on
-    the inputs stay, which is what makes the recompilation below happen."""
+    """Also: Dynamo drops its guards on the model's constants only (model_guard_filter): the
+    weights and the module structure go, the guards on the inputs and the KV caches stay, which
+    is what makes the recompilation below happen."""
     seen: list[tuple[object, bool]] = []
 
     def recording_filter(guards):
-        keep = skip_weight_guards(guards)
-        seen.extend((g, k) for g, k in zip(guards, keep) if g.guard_type == "TENSOR_MATCH")
+        keep = model_guard_filter(guards)
+        seen.extend(zip(guards, keep))
         return keep
 
-    monkeypatch.setattr("kiln.model_runner.skip_weight_guards", recording_filter)
+    monkeypatch.setattr("kiln.model_runner.model_guard_filter", recording_filter)
     engine = make_engine(
         tiny_models["llama"], compilation=CompilationConfig(mode=3, splitting_ops=SPLIT)
     )
-    is_weight = [isinstance(g.value, torch.nn.Parameter) for g, _ in seen]
+    tensors = [(g, keep) for g, keep in seen if g.guard_type == "TENSOR_MATCH"]
+    is_weight = [isinstance(g.value, torch.nn.Parameter) for g, _ in tensors]
     assert sum(is_weight) >= 4 * engine.model_config.num_layers  # norms, qkv, o, mlp
-    assert [keep for _, keep in seen] == [not w for w in is_weight]
-    assert any(keep and g.value is engine.runner.kv_caches[0][0] for g, keep in seen)
+    assert [keep for _, keep in tensors] == [not w for w in is_weight]
+    caches = {id(t) for pair in engine.runner.kv_caches for t in pair}
+    assert sum(keep and id(g.value) in caches for g, keep in tensors) == len(caches)
+    on_model = [g.name == "self" or g.name.startswith(("self.", "self[")) for g, _ in seen]
+    assert all(keep for (_, keep), m in zip(seen, on_model) if not m)  # inputs, globals
+    dropped = {g.guard_type for (g, keep), m in zip(seen, on_model) if m and not keep}
+    assert {"TYPE_MATCH", "EQUALS_MATCH", "TENSOR_MATCH"} <= dropped
     runner = engine.runner
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
@@ -135,6 +142,19 @@ def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
     assert runner.recompilations == 1
     assert engine.stats().graphs["recompilations"] == 1
     assert any("recompiled" in r.getMessage() for r in caplog.records)
+
+
+def test_engines_never_share_compiled_code(tiny_models):
+    """model_guard_filter drops the guards that tell two models of one class apart; what keeps
+    an engine from running another engine's compiled forward is Dynamo's backend match (each
+    engine compiles with its own SplitBackend), so each engine must compile its own."""
+    config = CompilationConfig(mode=3, splitting_ops=SPLIT)
+    first = make_engine(tiny_models["llama"], compilation=config)
+    second = make_engine(tiny_models["llama"], compilation=config)
+    third = make_engine(tiny_models["qwen3"], compilation=config)  # same class, other layers
+    for engine in (first, second, third):
+        assert engine.runner.compile_backend.stats.compilations >= 1
+    _assert_matches_eager(make_engine(tiny_models["qwen3"]), third)
 
 
 def test_embedded_model_compiled_matches_eager(smollm_llm):
