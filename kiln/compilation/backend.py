@@ -197,7 +197,9 @@ def model_guard_filter(guards: Sequence[Any]) -> list[bool]:
 
 
 def _model_constant(guard: Any) -> bool:
-    on_model = guard.name == "self" or guard.name.startswith(("self.", "self["))
+    # torch 2.13 names a local `self`, earlier releases `L['self']`
+    name = guard.name.removeprefix("L['self']").removeprefix("self")
+    on_model = name != guard.name and (name == "" or name[0] in ".[")
     if not on_model or guard.guard_type in ("NO_TENSOR_ALIASING", "DUPLICATE_INPUT"):
         return False
     state_tensor = isinstance(guard.value, torch.Tensor) and not isinstance(
