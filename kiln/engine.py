@@ -83,7 +83,7 @@ class LLMEngine:
             self.model_config = self.source.config
             self.tokenizer = self.source.load_tokenizer()
             self.attn_backend = select_backend(
-                config.attention_backend, self.device, config.cache.block_size
+                config.attention_backend, self.device, config.cache.block_size, self.dtype
             )
             self.model = self._load_model()
         with self.boot.phase("plan"):

@@ -37,7 +37,7 @@ def _inputs(dtype: torch.dtype):
         2,
         max(lens),
     )
-    return cache, q, k, v, TorchPagedAttentionBackend().build_metadata(meta, BS)
+    return cache, q, k, v, TorchPagedAttentionBackend(dtype).build_metadata(meta, BS)
 
 
 def _run(cache, q, k, v, meta):
@@ -70,6 +70,7 @@ def _by_hand(cache, q, meta) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_mixed_batch_matches_attention_by_hand(dtype):
     cache, q, k, v, meta = _inputs(dtype)
+    assert meta.decode_bias.dtype == dtype  # built in the model's dtype once per step
     out = _run(cache, q, k, v, meta)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.double(), _by_hand(cache, q, meta), rtol=tol, atol=tol)

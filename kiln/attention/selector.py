@@ -24,7 +24,9 @@ def triton_available() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
-def select_backend(name: str, device: torch.device, block_size: int) -> AttentionBackend:
+def select_backend(
+    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
@@ -35,7 +37,7 @@ def select_backend(name: str, device: torch.device, block_size: int) -> Attentio
                 "graphs cannot capture. Remedy: pip install triton"
             )
     if name == "torch":
-        return TorchPagedAttentionBackend()
+        return TorchPagedAttentionBackend(dtype)
     return _triton_backend(block_size)
 
 

@@ -134,13 +134,18 @@ torch.library.register_fake("kiln::torch_paged_attention", _fake, lib=_LIB)
 @dataclass
 class TorchPagedMetadata(AttentionMetadata):
     decode_slots: torch.Tensor | None = None  # [num_decodes * max_decode_len] int64
-    decode_bias: torch.Tensor | None = None  # [num_decodes * max_decode_len] 0 or -inf
+    decode_bias: torch.Tensor | None = None  # [num_decodes * max_decode_len] 0 or -inf, model dtype
 
 
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "torch_paged"
     graph_support = GraphSupport.NEVER
     splitting_ops = ("kiln::torch_paged_attention",)
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        # the model's dtype: the decode mask is built in it once per step rather than
+        # converted to it in every layer
+        self.dtype = dtype
 
     def build_metadata(self, meta: AttentionMetadata, block_size: int) -> TorchPagedMetadata:
         n = meta.num_decodes
@@ -149,7 +154,8 @@ class TorchPagedAttentionBackend(AttentionBackend):
         slots = _slots(meta.block_tables[:n], width, block_size)
         pos = torch.arange(width, device=lens.device)
         beyond = pos[None, :] >= lens[:, None]
-        bias = torch.zeros(n, width, device=lens.device).masked_fill_(beyond, float("-inf"))
+        bias = torch.zeros(n, width, dtype=self.dtype, device=lens.device)
+        bias.masked_fill_(beyond, float("-inf"))
         # Positions past a sequence's end read its own first slot instead: never-written cache
         # memory may hold NaN, and NaN * 0 would leak through the softmax.
         slots = torch.where(beyond, slots[:, :1], slots)
