@@ -34,6 +34,7 @@ from kiln.detokenizer import IncrementalDetokenizer
 from kiln.errors import ConfigError, EngineClosedError, InvalidRequestError
 from kiln.graph_boot import GraphBoot, device_caps, graph_backend_for
 from kiln.input_buffers import InputBuffers
+from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import open_model
 from kiln.memory import available_memory, num_kv_blocks
 from kiln.model_runner import ModelRunner, kv_bytes_per_block
@@ -155,6 +156,9 @@ class LLMEngine:
             torch.set_default_dtype(default_dtype)
         load_weights(model, self.source.tensors(self.dtype))
         model.finalize(self.device)
+        warning = slow_cpu_dtype(self.dtype) if self.device.type == "cpu" else None
+        if warning:
+            logger.warning(warning)
         return model.eval()
 
     def _resolve_plan(self, graph_backend: GraphBackend | None) -> GraphPlan:

@@ -2,11 +2,14 @@
 runs it natively, the transposed BLAS layout otherwise, and every layout computes x W^T + b as
 well as `F.linear` in the same dtype does (against a float64 reference)."""
 
+import logging
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.layers.linear import Linear, onednn_runs
+from kiln.layers.linear import Linear, onednn_runs, slow_cpu_dtype
+from tests.helpers import make_engine
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -43,3 +46,25 @@ def test_every_layout_matches_f_linear(dtype, bias, shape):
     got = layer(x)
     assert got.shape == (*shape[:-1], 160) and got.dtype == dtype
     assert (got.double() - ref).abs().max().item() <= 2 * allowed + 1e-5
+
+
+def test_a_half_dtype_without_native_kernels_is_warned_about(tiny_models, monkeypatch, caplog):
+    assert slow_cpu_dtype(torch.float32) is None
+    monkeypatch.setattr("kiln.layers.linear.onednn_runs", lambda dtype: dtype == torch.float32)
+    message = slow_cpu_dtype(torch.bfloat16)
+    assert "AVX512-BF16" in message and "Remedy: compare with --dtype float32" in message
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        engine = make_engine(tiny_models["llama"], dtype="bfloat16")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings.count(message) == 1
+    layouts = {m.layout for m in engine.model.modules() if isinstance(m, Linear)}
+    assert layouts == {"transposed"}
+
+
+def test_no_warning_where_oneDNN_runs_the_dtype(tiny_models, caplog):
+    dtype = next((d for d in (torch.bfloat16, torch.float16) if onednn_runs(d)), None)
+    if dtype is None:
+        pytest.skip("this CPU has no native half-precision oneDNN kernels")
+    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+        make_engine(tiny_models["llama"], dtype=str(dtype).removeprefix("torch."))
+    assert not [r for r in caplog.records if "oneDNN" in r.getMessage()]

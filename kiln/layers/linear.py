@@ -81,6 +81,20 @@ def onednn_runs(dtype: torch.dtype) -> bool:
     return dtype == torch.float32
 
 
+def slow_cpu_dtype(dtype: torch.dtype) -> str | None:
+    """The warning for a half-precision dtype that oneDNN cannot run natively on this CPU (its
+    linears fall back to BLAS, which may be slower than float32 on oneDNN), else None."""
+    if dtype not in (torch.bfloat16, torch.float16) or onednn_runs(dtype):
+        return None
+    name = str(dtype).removeprefix("torch.")
+    isa = "AVX512-BF16 or AMX" if dtype == torch.bfloat16 else "AVX512-FP16 or AVX-NE-CONVERT"
+    return (
+        f"--dtype {name}: this CPU lacks {isa}, so oneDNN has no native {name} linear kernels "
+        f"and the linear layers run through BLAS instead, which can be slower than float32. "
+        f"Remedy: compare with --dtype float32"
+    )
+
+
 def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of an [out, in] weight, or None where oneDNN cannot run it."""
     if not onednn_runs(weight.dtype):
