@@ -6,6 +6,7 @@ import math
 
 import pytest
 
+from kiln.bench.client import OpenAIClient
 from kiln.bench.trial import StreamRecord, invalid_reasons, percentile, trial_metrics
 
 _STORY = (
@@ -106,3 +107,13 @@ def test_each_invalid_reason(changes, reason):
 def test_tolerance_boundary():
     assert "prompt_tokens_outside_tolerance" not in invalid_reasons(_record(prompt_tokens=912))
     assert "prompt_tokens_outside_tolerance" in invalid_reasons(_record(prompt_tokens=911))
+
+
+def test_a_timed_request_holds_eos_back_on_every_server():
+    """ignore_eos for vLLM, llama.cpp's server and kiln; min_tokens for llama-cpp-python's
+    server, which drops ignore_eos (its short outputs made every llama.cpp row invalid)."""
+    client = OpenAIClient("http://127.0.0.1:9", "m")
+    timed = client.chat_body([{"role": "user", "content": "hi"}], 128, True, stream=True)
+    assert timed["ignore_eos"] is True and timed["min_tokens"] == timed["max_tokens"] == 128
+    probe = client.chat_body([{"role": "user", "content": "hi"}], 16, False, stream=False)
+    assert "ignore_eos" not in probe and "min_tokens" not in probe  # probes stop on their own

@@ -60,7 +60,10 @@ class OpenAIClient:
         if stream:
             body["stream_options"] = {"include_usage": True}
         if ignore_eos:
+            # vLLM, llama.cpp's own server and kiln read ignore_eos; llama-cpp-python's server
+            # drops it and reads min_tokens (so do vLLM and kiln), which holds EOS back as well
             body["ignore_eos"] = True
+            body["min_tokens"] = max_tokens
         return body
 
     async def stream_chat(
