@@ -145,6 +145,22 @@ def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
     assert any("recompiled" in r.getMessage() for r in caplog.records)
 
 
+def test_bf16_compiled_matches_bf16_eager(tiny_models):
+    """bf16 on the CPU: oneDNN's bf16 weights through the compiled graph (the CPU default, one
+    unsplit graph) give eager's greedy tokens, logits within a few bf16 roundings."""
+    path = tiny_models["llama"]
+    kwargs = dict(block_size=4, max_num_batched_tokens=16, dtype="bfloat16")
+    eager = make_engine(path, **kwargs)
+    compiled = make_engine(path, **kwargs, compilation=CompilationConfig(mode=3, splitting_ops=()))
+    ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
+    out, logits = run_schedule(compiled, _schedule(), record_logits=True)
+    for rid in ref:
+        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]).float(), torch.stack(ref_logits[rid]).float()
+        ulp = 2**-8 * b.abs().max().item()  # bf16 keeps 8 significant bits
+        assert (a - b).abs().max().item() <= 4 * ulp
+
+
 def test_engines_never_share_compiled_code(tiny_models):
     """model_guard_filter drops the guards that tell two models of one class apart; what keeps
     an engine from running another engine's compiled forward is Dynamo's backend match (each
