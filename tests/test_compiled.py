@@ -37,14 +37,15 @@ def _schedule():
     return [(t, p, params) for t, p in zip([0, 0, 1, 2, 4, 6], prompts)]
 
 
-def _assert_matches_eager(eager, compiled) -> dict:
-    """The schedule's greedy tokens and logits on `compiled` equal eager's; its outputs."""
+def _assert_matches_eager(eager, compiled, rtol: float = 1e-4, atol: float = 1e-4) -> dict:
+    """The schedule's greedy tokens and logits on `compiled` equal eager's (`atol` relative to
+    the largest logit); its outputs."""
     ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
     out, logits = run_schedule(compiled, _schedule(), record_logits=True)
     for rid in ref:
         assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+        a, b = torch.stack(logits[rid]).float(), torch.stack(ref_logits[rid]).float()
+        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * b.abs().max().item())
     return out
 
 
@@ -152,13 +153,7 @@ def test_bf16_compiled_matches_bf16_eager(tiny_models):
     kwargs = dict(block_size=4, max_num_batched_tokens=16, dtype="bfloat16")
     eager = make_engine(path, **kwargs)
     compiled = make_engine(path, **kwargs, compilation=CompilationConfig(mode=3, splitting_ops=()))
-    ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
-    out, logits = run_schedule(compiled, _schedule(), record_logits=True)
-    for rid in ref:
-        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]).float(), torch.stack(ref_logits[rid]).float()
-        ulp = 2**-8 * b.abs().max().item()  # bf16 keeps 8 significant bits
-        assert (a - b).abs().max().item() <= 4 * ulp
+    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * 2**-8)  # bf16: 8 significant bits
 
 
 def test_engines_never_share_compiled_code(tiny_models):

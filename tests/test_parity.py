@@ -35,6 +35,13 @@ def _hf_logits(model, prompt: list[int], generated: list[int]) -> torch.Tensor:
     return out[len(prompt) - 1 : len(prompt) - 1 + len(generated)]
 
 
+def _run(engine, prompts: list[list[int]]):
+    """The arrival schedule, greedy; final outputs and the logits behind every token."""
+    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
+    arrivals = [(t, p, params) for t, p in zip(ARRIVALS, prompts)]
+    return run_schedule(engine, arrivals, record_logits=True)
+
+
 def _check(hf_model, prompts, finals, logits):
     for rid, out in finals.items():
         prompt = prompts[int(rid)]
@@ -57,10 +64,7 @@ def test_logits_match_hf(tiny_models, hf_models, name, block_size, prefix_cachin
         max_num_batched_tokens=24,
     )
     prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    finals, logits = run_schedule(
-        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True
-    )
+    finals, logits = _run(engine, prompts)
     _check(hf_models[name], prompts, finals, logits)
     cached = finals["4"].num_cached_tokens
     if prefix_caching:
@@ -77,10 +81,7 @@ def test_bf16_logits_are_as_close_to_fp32_as_hf_bf16s(tiny_models, hf_models, na
     stray from HF's fp32 logits no further than HF's own bf16 model does."""
     engine = make_engine(tiny_models[name], max_num_batched_tokens=24, dtype="bfloat16")
     prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    finals, logits = run_schedule(
-        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True
-    )
+    finals, logits = _run(engine, prompts)
     hf_bf16 = copy.deepcopy(hf_models[name]).to(torch.bfloat16)
     for rid, out in finals.items():
         prompt, generated = prompts[int(rid)], out.outputs[0].token_ids

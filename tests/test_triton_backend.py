@@ -13,13 +13,12 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln import SamplingParams
 from kiln.attention.backend import AttentionMetadata
 from kiln.attention.selector import select_backend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend, torch_paged_attention
 from kiln.errors import ConfigError
-from tests.helpers import make_engine, run_schedule
-from tests.test_parity import ARRIVALS, GEN, _check, _prompts
+from tests.helpers import make_engine
+from tests.test_parity import _check, _prompts, _run
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -92,10 +91,7 @@ def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
     )
     assert engine.attn_backend.name == "triton_paged"
     prompts = _prompts()
-    params = SamplingParams(temperature=0, max_tokens=GEN, ignore_eos=True)
-    finals, logits = run_schedule(
-        engine, [(t, p, params) for t, p in zip(ARRIVALS, prompts)], record_logits=True
-    )
+    finals, logits = _run(engine, prompts)
     _check(hf_models[name], prompts, finals, logits)
     assert finals["4"].num_cached_tokens >= 40 - block_size  # prefix hits read through it too
 
