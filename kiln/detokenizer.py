@@ -27,10 +27,12 @@ class IncrementalDetokenizer:
         self.text = ""
         self.emitted = 0  # characters of `text` already handed out
 
-    def add_token(self, token_id: int) -> str | None:
-        """Append one token; return the stop string if the text now contains one."""
+    def add_token(self, token_id: int, match_stop: bool = True) -> str | None:
+        """Append one token; return the stop string if the text now contains one (looked for
+        only when `match_stop`: before min_tokens a stop string does not count)."""
         piece = self.stream.step(self.backend, token_id)
-        if not piece:
+        if not piece or not match_stop:
+            self.text += piece or ""
             return None
         start = max(0, len(self.text) - self.hold)
         self.text += piece

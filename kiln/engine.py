@@ -40,7 +40,8 @@ from kiln.memory import available_memory, num_kv_blocks
 from kiln.model_runner import ModelRunner, kv_bytes_per_block
 from kiln.models import build_model
 from kiln.models.weights import load_weights
-from kiln.outputs import Logprobs, RequestMetrics, RequestOutput, TokenLogprob
+from kiln.output_processor import OutputProcessor
+from kiln.outputs import RequestMetrics, RequestOutput
 from kiln.request import Request, validate_prompt
 from kiln.sampler import SamplingBatch, sample
 from kiln.sampling_params import SamplingParams
@@ -114,6 +115,7 @@ class LLMEngine:
             num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
         self.requests: dict[str, Request] = {}
         self.closed = False
         self.seq_ids = SequenceCounter()
@@ -379,44 +381,9 @@ class LLMEngine:
         out = sample(logits, batch, self.tokenizer.eos_token_ids, self.generator)
         now = time.monotonic()
         for row, (seq, token) in enumerate(zip(seqs, out.token_ids)):
-            seq.token_ids.append(token)
-            if seq.metrics.first_token_time is None:
-                seq.metrics.first_token_time = now
-            seq.metrics.token_times.append(now)
-            if out.logprobs is not None and seq.params.logprobs is not None:
-                self._record_logprobs(seq, out.logprobs[row], token)
-            self._check_stop(seq, token)
-
-    def _record_logprobs(self, seq: Sequence, row: torch.Tensor, token: int) -> None:
-        decode = self.tokenizer.decode
-        top = []
-        if seq.params.logprobs:
-            values, ids = row.topk(seq.params.logprobs)
-            top = [
-                TokenLogprob(i, decode([i], False), v)
-                for i, v in zip(ids.tolist(), values.tolist())
-            ]
-        lp = float(row[token])
-        seq.logprobs.append(Logprobs(TokenLogprob(token, decode([token], False), lp), top))
-        seq.cumulative_logprob += lp
-
-    def _check_stop(self, seq: Sequence, token: int) -> None:
-        p = seq.params
-        past_min = seq.num_output_tokens >= p.min_tokens
-        stop_str = seq.detokenizer.add_token(token) if past_min or not p.stop else None
-        if past_min and not p.ignore_eos and token in self.tokenizer.eos_token_ids:
-            seq.finish_reason = "stop"
-        elif past_min and token in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", token
-        elif stop_str is not None:
-            seq.finish_reason, seq.stop_reason = "stop", stop_str
-        elif (
-            p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens
-        ) or seq.num_tokens >= self.max_model_len:
-            seq.finish_reason = "length"
-        if seq.finish_reason is not None:
-            seq.metrics.finished_time = time.monotonic()
-            self.scheduler.finish(seq)
+            logprob_row = out.logprobs[row] if out.logprobs is not None else None
+            if self.output_processor.append(seq, token, logprob_row, now):
+                self.scheduler.finish(seq)
 
     def capture_stats(self) -> dict[str, float]:
         """Graphs captured at boot: how many, how long, the memory measured and reserved."""

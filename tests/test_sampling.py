@@ -201,6 +201,25 @@ def test_streamed_deltas_never_contain_the_stop_string(engine):
     assert "".join(deltas) == text[: text.index(stop)]
 
 
+def test_min_tokens_with_stop_strings_keeps_the_text_and_ignores_early_stops(engine):
+    """Like vLLM: stop strings count only once min_tokens are out, and the text generated
+    before then is part of the output."""
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    base = run_schedule(engine, [(0, _prompt(10), params)])[0]["0"].outputs[0]
+    first = engine.tokenizer.decode(base.token_ids[:1])
+    assert first and first in base.text
+    params = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, min_tokens=4, stop=["\x00never", first]
+    )
+    comp = run_schedule(engine, [(0, _prompt(10), params)])[0]["0"].outputs[0]
+    if first in base.text[len(first) :]:  # the stop string recurs after the first 4 tokens
+        assert comp.finish_reason == "stop" and len(comp.token_ids) >= 4
+        assert comp.text.startswith(first) and base.text.startswith(comp.text)
+    else:
+        assert comp.finish_reason == "length" and comp.text == base.text
+    assert comp.token_ids == base.token_ids[: len(comp.token_ids)]
+
+
 def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
     """Filtering among the top CANDIDATES logits must keep exactly what sorting the whole
     vocabulary keeps: rows whose nucleus ends inside the candidates take the fast path, the
