@@ -15,12 +15,7 @@ from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
 from kiln.boot import BootPhases
 from kiln.compilation.backend import check_splitting_ops
-from kiln.compilation.cache import (
-    CompileCacheEntry,
-    cache_key_fields,
-    device_signature,
-    kiln_source_hash,
-)
+from kiln.compilation.cache import CompileCacheEntry, open_for_plan
 from kiln.compilation.capture import CaptureStats
 from kiln.compilation.graphs import GraphBackend
 from kiln.compilation.plan import (
@@ -81,48 +76,15 @@ class LLMEngine:
         self.boot = BootPhases(config.boot_timeout)
         t0 = time.monotonic()
         with self.boot.phase("load_model"):
-            self.source = open_model(config.model)
-            self.model_config = self.source.config
-            self.tokenizer = self.source.load_tokenizer()
-            self.attn_backend = select_backend(
-                config.attention_backend, self.device, config.cache.block_size, self.dtype
-            )
-            self.model = self._load_model()
+            self._open_model()
         with self.boot.phase("plan"):
-            self.max_model_len = self._resolve_max_model_len()
-            self.plan = self._resolve_plan(graph_backend)
-            self.compile_cache = self._open_compile_cache()
-            self.graph_backend = graph_backend_for(self.plan, self.device, graph_backend)
-            self.runner = ModelRunner(
-                self.model,
-                self.attn_backend,
-                self.plan,
-                config.cache.block_size,
-                self._input_buffers(),
-                self.device,
-                self.graph_backend,
-            )
+            self._plan(graph_backend)
         self.graphs = GraphBoot(self.runner, self.graph_backend)
         with self.boot.phase("measure_graph_memory"):
             reserved = self.graphs.measure(self.dtype)
         with self.boot.phase("allocate_kv_cache"):
-            num_blocks = self._size_kv_cache(reserved)
-            self.runner.allocate_kv_cache(num_blocks, self.dtype)
-            if config.cache.kv_cache_memory is not None:
-                free = available_memory(self.device)
-                self.plan = self.graphs.fit_beside_fixed_kv(free, config.strict_graphs)
-        self.blocks = BlockManager(
-            num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
-        )
-        self.scheduler = Scheduler(config.scheduler, self.blocks)
-        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
-        self.requests: dict[str, Request] = {}
-        self.closed = False
-        self.seq_ids = SequenceCounter()
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.num_steps = 0
-        # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
-        self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
+            num_blocks = self._allocate_kv_cache(reserved)
+        self._init_requests(num_blocks)
         with self.boot.phase("warm_up"):  # compiles in mode 3
             self._warm_up()
         with self.boot.phase("capture_graphs"):
@@ -136,6 +98,53 @@ class LLMEngine:
             num_blocks,
             config.cache.block_size,
         )
+
+    def _open_model(self) -> None:
+        config = self.config
+        self.source = open_model(config.model)
+        self.model_config = self.source.config
+        self.tokenizer = self.source.load_tokenizer()
+        self.attn_backend = select_backend(
+            config.attention_backend, self.device, config.cache.block_size, self.dtype
+        )
+        self.model = self._load_model()
+
+    def _plan(self, graph_backend: GraphBackend | None) -> None:
+        """The graph plan, the compile cache it keys, and the runner that executes it."""
+        self.max_model_len = self._resolve_max_model_len()
+        self.plan = self._resolve_plan(graph_backend)
+        self.compile_cache = self._open_compile_cache()
+        self.graph_backend = graph_backend_for(self.plan, self.device, graph_backend)
+        self.runner = ModelRunner(
+            self.model,
+            self.attn_backend,
+            self.plan,
+            self.config.cache.block_size,
+            self._input_buffers(),
+            self.device,
+            self.graph_backend,
+        )
+
+    def _allocate_kv_cache(self, graph_reserve: int) -> int:
+        num_blocks = self._size_kv_cache(graph_reserve)
+        self.runner.allocate_kv_cache(num_blocks, self.dtype)
+        if self.config.cache.kv_cache_memory is not None:
+            free = available_memory(self.device)
+            self.plan = self.graphs.fit_beside_fixed_kv(free, self.config.strict_graphs)
+        return num_blocks
+
+    def _init_requests(self, num_blocks: int) -> None:
+        cache = self.config.cache
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config.scheduler, self.blocks)
+        self.output_processor = OutputProcessor(self.tokenizer, self.max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.closed = False
+        self.seq_ids = SequenceCounter()
+        self.generator = torch.Generator(self.device).manual_seed(self.config.seed)
+        self.num_steps = 0
+        # Debug/test hook: called with (sequences, raw logits [B, V]) before every sampling.
+        self.logits_observer: Callable[[list[Sequence], torch.Tensor], None] | None = None
 
     @property
     def capture(self) -> CaptureStats:
@@ -183,26 +192,9 @@ class LLMEngine:
     def _open_compile_cache(self) -> CompileCacheEntry | None:
         if self.plan.mode != 3:
             return None
-        plan = self.plan.to_dict()
-        compilation = {
-            k: plan[k]
-            for k in (
-                "mode",
-                "cudagraph_mode",
-                "decode_capture_sizes",
-                "mixed_capture_sizes",
-                "splitting_ops",
-            )
-        }
-        fields = cache_key_fields(
-            self.model_config.to_dict(),
-            compilation,
-            self.config.dtype,
-            device_signature(self.device),
-            kiln_source_hash(),
-        )
-        entry = CompileCacheEntry.open(fields)
-        entry.activate()
+        model = self.model_config.to_dict()
+        entry = open_for_plan(self.plan.to_dict(), model, self.config.dtype, self.device)
+        entry.activate()  # Inductor's and Triton's caches point into it from now on
         logger.info("compile cache %s (%s)", entry.path, "reused" if entry.reused else "new")
         return entry
 

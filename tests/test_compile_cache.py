@@ -9,13 +9,18 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
+from kiln.attention.backend import GraphSupport
 from kiln.compilation.cache import (
     CompileCacheEntry,
     cache_key,
     cache_key_fields,
     list_entries,
+    open_for_plan,
 )
+from kiln.compilation.config import CompilationConfig
+from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
 
 BASE = dict(
     model_config={"architecture": "LlamaForCausalLM", "hidden_size": 64},
@@ -58,6 +63,45 @@ def test_any_change_gives_another_directory(changes):
 def test_same_config_same_directory():
     assert _key() == _key()
     assert cache_key_fields(**BASE)["torch"]  # the torch version is part of the key
+
+
+def _plan(**requested) -> dict:
+    attention = AttentionCaps("triton", GraphSupport.ALWAYS, ("kiln::triton_paged_attention",))
+    plan = resolve_graph_plan(
+        CompilationConfig(**requested),
+        DeviceCaps("cuda", True),
+        attention,
+        max_num_batched_tokens=256,
+        max_num_seqs=64,
+    )
+    return plan.to_dict()
+
+
+@pytest.mark.parametrize(
+    "changes",
+    [
+        {"cudagraph_capture_sizes": (1, 2, 4, 8)},
+        {"cudagraph_capture_sizes": None, "max_cudagraph_capture_size": 16},
+        {"cudagraph_mode": "PIECEWISE"},
+        {"cudagraph_mode": "FULL"},
+        {"splitting_ops": ()},
+    ],
+)
+def test_the_engine_keys_its_entry_by_the_resolved_plan(tmp_path, changes):
+    """What the engine passes in (a resolved plan), not only the key function, tells entries
+    apart."""
+    base = {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": (1, 2, 4)}
+    args = (BASE["model_config"], "float32", torch.device("cpu"), tmp_path)
+    path = open_for_plan(_plan(**base), *args).path
+    assert open_for_plan(_plan(**base), *args).path == path
+    assert open_for_plan(_plan(**{**base, **changes}), *args).path != path
+
+
+def test_a_request_that_resolves_to_the_same_plan_shares_the_entry(tmp_path):
+    args = (BASE["model_config"], "float32", torch.device("cpu"), tmp_path)
+    sizes = {"mode": 3, "cudagraph_capture_sizes": (1, 2, 4)}
+    capped = {**sizes, "max_cudagraph_capture_size": 16}  # caps nothing: same artifacts
+    assert open_for_plan(_plan(**sizes), *args).path == open_for_plan(_plan(**capped), *args).path
 
 
 def test_corrupted_entry_is_rebuilt(tmp_path, caplog):

@@ -61,6 +61,31 @@ def cache_key_fields(
     }
 
 
+# what of a resolved graph plan changes compiled artifacts
+PLAN_KEY_FIELDS = (
+    "mode",
+    "cudagraph_mode",
+    "decode_capture_sizes",
+    "mixed_capture_sizes",
+    "splitting_ops",
+)
+
+
+def open_for_plan(
+    plan: dict[str, Any],
+    model_config: dict[str, Any],
+    dtype: str,
+    device: torch.device,
+    root: Path | None = None,
+) -> CompileCacheEntry:
+    """The entry of a compiled engine (`plan` is GraphPlan.to_dict())."""
+    compilation = {k: plan[k] for k in PLAN_KEY_FIELDS}
+    fields = cache_key_fields(
+        model_config, compilation, dtype, device_signature(device), kiln_source_hash()
+    )
+    return CompileCacheEntry.open(fields, root)
+
+
 def cache_key(fields: dict[str, Any]) -> str:
     blob = json.dumps(fields, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:20]
