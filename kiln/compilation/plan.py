@@ -174,25 +174,12 @@ def resolve_graph_plan(
     strict: bool = False,
 ) -> GraphPlan:
     """Resolve what will run. Pure: same inputs, same plan; logging is the caller's job."""
-    default_graph = CUDAGraphMode.FULL_AND_PIECEWISE if device.cuda_graphs else CUDAGraphMode.NONE
-    r = _Resolution(
-        mode=requested.mode if requested.mode is not None else (3 if device.cuda_graphs else 0),
-        graph=requested.cudagraph_mode or default_graph,
-        changes=[],
-    )
-    if enforce_eager:
-        r.change("mode", 0, "--enforce-eager was given", "drop --enforce-eager to compile")
-        r.change(
-            "cudagraph_mode",
-            CUDAGraphMode.NONE,
-            "--enforce-eager was given",
-            "drop --enforce-eager to use CUDA graphs",
-        )
+    r = _start(requested, device, enforce_eager)
     _resolve_device(r, device)
     _resolve_compilation(r)
     _resolve_backend(r, attention, uniform_decode_query_len)
-    splitting = requested.splitting_ops
-    splitting = attention.splitting_ops if splitting is None else splitting
+    requested_splits = requested.splitting_ops
+    splitting = attention.splitting_ops if requested_splits is None else requested_splits
     _resolve_splitting(r, attention, splitting)
     decode_mode, mixed_mode = _PARTS[r.graph]
     decode_sizes, mixed_sizes = _resolve_sizes(
@@ -204,7 +191,7 @@ def resolve_graph_plan(
         max_num_seqs,
         uniform_decode_query_len,
     )
-    if requested.splitting_ops is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
+    if requested_splits is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
         # Nothing replays pieces, so by default the forward compiles as one Inductor graph
         # with the attention op inside as an extern call: no per-piece call overhead (on the
         # CPU 1.09x faster at single-stream decode than the split graph, 1.22x at 8 streams).
@@ -226,6 +213,25 @@ def resolve_graph_plan(
         uniform_decode_query_len=uniform_decode_query_len,
         changes=tuple(r.changes),
     )
+
+
+def _start(requested: CompilationConfig, device: DeviceCaps, enforce_eager: bool) -> _Resolution:
+    """The request with the device's defaults filled in (no warning), then --enforce-eager."""
+    default_graph = CUDAGraphMode.FULL_AND_PIECEWISE if device.cuda_graphs else CUDAGraphMode.NONE
+    r = _Resolution(
+        mode=requested.mode if requested.mode is not None else (3 if device.cuda_graphs else 0),
+        graph=requested.cudagraph_mode or default_graph,
+        changes=[],
+    )
+    if enforce_eager:
+        r.change("mode", 0, "--enforce-eager was given", "drop --enforce-eager to compile")
+        r.change(
+            "cudagraph_mode",
+            CUDAGraphMode.NONE,
+            "--enforce-eager was given",
+            "drop --enforce-eager to use CUDA graphs",
+        )
+    return r
 
 
 def _resolve_device(r: _Resolution, device: DeviceCaps) -> None:
