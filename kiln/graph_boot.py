@@ -10,7 +10,7 @@ import time
 import torch
 
 from kiln.compilation.capture import CaptureStats, GraphMemoryEstimate, fit_ladder
-from kiln.compilation.graphs import CudaGraphBackend, EmulatedGraphBackend, GraphBackend
+from kiln.compilation.graphs import CudaGraphBackend, GraphBackend
 from kiln.compilation.plan import DeviceCaps, GraphPlan, RuntimeMode
 from kiln.model_runner import ModelRunner
 
@@ -45,7 +45,7 @@ class GraphBoot:
         batches are all padding: they read and write no KV), measure the memory it takes and
         release it; the KV cache is then sized beside it."""
         gb = self.backend
-        if gb is None or isinstance(gb, EmulatedGraphBackend):
+        if gb is None or not gb.measures_memory:
             return 0
         self.runner.allocate_kv_cache(2, dtype)
         before = gb.memory_in_use()

@@ -98,6 +98,12 @@ class ModelRunner:
         ]
         for (k_cache, v_cache), attn in zip(self.kv_caches, self.model.attention_layers()):
             attn.bind_cache(k_cache, v_cache)
+            if self.compile_backend is not None:
+                # The number of blocks is symbolic in the compiled forward: the graph-memory
+                # measurement compiles it on a two-block cache, and the real cache must not
+                # recompile it (on a GPU that was a second full compilation at every boot).
+                torch._dynamo.mark_dynamic(k_cache, 0)
+                torch._dynamo.mark_dynamic(v_cache, 0)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """Lay the batch out decodes first, as the attention backends expect."""

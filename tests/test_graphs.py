@@ -75,22 +75,52 @@ def references(tiny_models):
     return out
 
 
+def _assert_equals_reference(finals, logits, reference) -> None:
+    """Eager's greedy tokens, and its logits within float32 noise, for every request."""
+    ref, ref_logits = reference
+    for rid in ref:
+        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), MODES)
 def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, backend, ran):
     engine = _engine(tiny_models["llama"], graph_mode, mode, backend, kv=PREEMPTING)
     assert engine.capture.graphs > 0
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    ref, ref_logits = references[backend]
-    for rid in ref:
-        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    _assert_equals_reference(finals, logits, references[backend])
     assert finals["5"].num_cached_tokens > 0  # prefix hits went through the graphs
     st = engine.stats()
     assert st.num_preemptions > 0  # and so did recomputed sequences
     steps = {m: n for m, n in st.graphs["steps"].items() if n}
     assert set(steps) == ran, steps
     assert st.graphs["graph_misses"] == 0
+
+
+def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, references):
+    """The GPU's boot: the largest graphs are captured on a provisional two-block KV cache to
+    measure them, dropped, and captured again on the real cache. The compiled forward serves
+    both caches (their block count is symbolic): before, binding the real cache failed a guard
+    and compiled the whole model a second time."""
+    config = CompilationConfig(mode=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=SIZES)
+    engine = make_engine(
+        tiny_models["llama"],
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=64,
+        kv_cache_memory=PREEMPTING,
+        compilation=config,
+        attention_backend="torch",
+        graph_backend=EmulatedGraphBackend(measures_memory=True),
+    )
+    assert engine.graphs.estimate is not None  # the measurement ran, on two blocks
+    assert engine.runner.kv_caches[0][0].shape[0] > 2
+    assert engine.runner.compile_backend.stats.compilations == 1
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, references["torch"])
+    assert engine.stats().graphs["recompilations"] == 0
 
 
 @pytest.mark.parametrize("graph_mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])

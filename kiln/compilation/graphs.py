@@ -25,6 +25,10 @@ Replay = Callable[[], None]
 
 
 class GraphBackend(ABC):
+    # whether boot measures the largest graphs on a provisional KV cache before sizing the
+    # real one (the GPU's boot sequence)
+    measures_memory = True
+
     @abstractmethod
     def capture(self, fn: Callable[[], Any]) -> tuple[Replay, Any]:
         """Capture fn(); return (replay, fn's outputs, which every replay rewrites)."""
@@ -66,9 +70,12 @@ class EmulatedGraphBackend(GraphBackend):
     """CPU stand-in with a CUDA graph's semantics: replay reads whatever the captured input
     tensors hold now and writes into the captured output tensors."""
 
-    def __init__(self) -> None:
+    def __init__(self, measures_memory: bool = False) -> None:
+        """`measures_memory`: run the GPU's boot sequence (capture on a provisional KV cache,
+        drop, capture again on the real one); off by default, as it measures nothing here."""
         self.captures = 0
         self.replays = 0
+        self.measures_memory = measures_memory
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Replay, Any]:
         self.captures += 1
