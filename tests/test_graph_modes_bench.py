@@ -4,6 +4,7 @@ earlier round of the same engine filled (a hit would inflate prefill throughput)
 
 import argparse
 import importlib.util
+import json
 import os
 
 import pytest
@@ -47,3 +48,34 @@ def test_interleaved_rounds_keep_every_round(graph_modes, tiny_models):
             rounds = r["decode_ms_rounds"][b]
             assert len(rounds) == 2 and r["decode_ms"][b] == pytest.approx(sum(rounds) / 2)
         assert len(r["prefill_tok_s_rounds"]) == 2 and r["prefill_tok_s"] > 0
+
+
+@pytest.mark.parametrize("graph_mode", ["FULL", "PIECEWISE", "FULL_AND_PIECEWISE"])
+def test_gpu_configs_run_each_batch_in_the_graph_the_default_ladder_would(graph_mode, graph_modes):
+    """On a GPU the benchmark captures only the measured batch sizes; every decode batch it
+    measures must still run in a graph of its own size and mode, as under the full ladder, and
+    the prefill above both ladders."""
+    from kiln.attention.backend import GraphSupport
+    from kiln.compilation.config import CompilationConfig
+    from kiln.compilation.dispatcher import describe, dispatch
+    from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+
+    batches = [1, 8, 32, 128]
+    attention = AttentionCaps("triton", GraphSupport.ALWAYS, ("kiln::triton_paged_attention",))
+
+    def plan(config: dict):
+        return resolve_graph_plan(
+            CompilationConfig(**config),
+            DeviceCaps("cuda", True),
+            attention,
+            max_num_batched_tokens=2048,
+            max_num_seqs=128,
+        )
+
+    measured = plan(json.loads(graph_modes.gpu_config(graph_mode, batches)))
+    ladder = plan({"mode": 3, "cudagraph_mode": graph_mode})
+    assert not measured.changes
+    for lens in [[1] * b for b in batches] + [[2048]]:
+        a, b = dispatch(measured, describe(lens)), dispatch(ladder, describe(lens))
+        assert (a.mode, a.descriptor) == (b.mode, b.descriptor)
+    assert dispatch(measured, describe([1] * 8)).descriptor.num_tokens == 8
