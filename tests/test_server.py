@@ -126,6 +126,37 @@ def test_n_stop_seed_logprobs(client):
     assert len(clp.choices[0].logprobs.tokens) == 2
 
 
+def test_echo_and_vllm_stop_extras(client, server):
+    """echo: each choice's text starts with its own prompt (decoded when given as tokens), in
+    one-shot and streamed responses; vLLM's include_stop_str_in_output keeps the stop string."""
+    prompts = [[504, 3575, 282], [282, 504]]
+    detok = [httpx.post(server.base + "/detokenize", json={"tokens": p}) for p in prompts]
+    heads = [r.json()["prompt"] for r in detok]
+    plain = client.completions.create(model=MODEL, prompt=prompts, temperature=0, max_tokens=6)
+    echoed = client.completions.create(
+        model=MODEL, prompt=prompts, temperature=0, max_tokens=6, n=2, echo=True
+    )
+    assert sorted(c.index for c in echoed.choices) == [0, 1, 2, 3]
+    for c in echoed.choices:
+        p = c.index // 2
+        assert heads[p] and c.text == heads[p] + plain.choices[p].text
+    text = "The capital of France is"
+    args = dict(model=MODEL, prompt=text, temperature=0, max_tokens=6, echo=True)
+    once = client.completions.create(**args)
+    stream = client.completions.create(**args, stream=True)
+    assert once.choices[0].text.startswith(text) and len(once.choices[0].text) > len(text)
+    assert "".join(c.choices[0].text for c in stream) == once.choices[0].text
+    kept = client.completions.create(
+        model=MODEL,
+        prompt=text,
+        temperature=0,
+        max_tokens=16,
+        stop=["."],
+        extra_body={"include_stop_str_in_output": True},
+    )
+    assert kept.choices[0].text.endswith(".") and kept.choices[0].finish_reason == "stop"
+
+
 def test_cached_tokens(client):
     prompt = "A fresh prompt about lighthouses and the sea, " * 6
     first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
@@ -220,6 +251,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "lone \ud8a2 surrogate"}, 400, "prompt"),
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "one of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
 ]
 
 

@@ -182,7 +182,11 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served: str) -> No
             params = body.sampling_params(limit, logprobs)
             prepared.append((text, core.prepare_prompt(ids, params)[1], params))
         rid = engine.new_request_id("chatcmpl" if kind == "chat" else "cmpl")
-        builder = ResponseBuilder(kind, rid, served)
+        echo = None
+        if getattr(body, "echo", False):
+            skip = body.skip_special_tokens
+            echo = [t if t is not None else core.tokenizer.decode(i, skip) for t, i, _ in prepared]
+        builder = ResponseBuilder(kind, rid, served, body.n, echo)
         streams = [
             engine.generate(f"{rid}-{i}", t, ids, p) for i, (t, ids, p) in enumerate(prepared)
         ]
@@ -191,7 +195,7 @@ def _add_generation_routes(app: FastAPI, engine: AsyncEngine, served: str) -> No
             return StreamingResponse(
                 sse(builder, streams, first, body), media_type="text/event-stream"
             )
-        return JSONResponse(await collect(request, streams, builder, body.n))
+        return JSONResponse(await collect(request, streams, builder))
 
 
 def _completion_prompts(prompt) -> list[tuple[str | None, list[int] | None]]:

@@ -43,6 +43,8 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False  # vLLM's extras
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
 
@@ -64,6 +66,8 @@ class _Sampling(_Request):
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
+            skip_special_tokens=self.skip_special_tokens,
+            include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
     @property
@@ -74,7 +78,14 @@ class _Sampling(_Request):
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    echo: bool = False  # each choice's text starts with its prompt
+
+    @model_validator(mode="after")
+    def _echo_without_logprobs(self) -> CompletionRequest:
+        if self.echo and self.logprobs is not None:
+            # OpenAI then returns the prompt's logprobs too, which kiln does not compute
+            raise ValueError("echo with logprobs is not supported (no prompt logprobs): drop one")
+        return self
 
 
 class ChatMessage(BaseModel):

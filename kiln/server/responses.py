@@ -57,9 +57,17 @@ def completion_logprobs(items: list[Logprobs] | None, offset: int = 0) -> dict[s
 
 
 class ResponseBuilder:
-    def __init__(self, kind: str, request_id: str, model: str) -> None:
+    def __init__(
+        self, kind: str, request_id: str, model: str, n: int = 1, echo: list[str] | None = None
+    ) -> None:
+        """`echo`: per prompt, the text each of its `n` choices starts with (completions'
+        `echo`); it goes in a choice's first chunk when streaming."""
         self.kind, self.id, self.model = kind, request_id, model
+        self.n, self.echo = n, echo
         self.created = int(time.time())
+
+    def _echoed(self, index: int, text: str) -> str:
+        return self.echo[index // self.n] + text if self.echo else text
 
     def _envelope(self, obj: str, choices: list, usage_: dict | None) -> dict[str, Any]:
         return {
@@ -71,11 +79,11 @@ class ResponseBuilder:
             "usage": usage_,
         }
 
-    def final(self, outs: list[RequestOutput], n: int) -> dict[str, Any]:
+    def final(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for p, out in enumerate(outs):
             for c in out.outputs:
-                choices.append(self._choice(p * n + c.index, c))
+                choices.append(self._choice(p * self.n + c.index, c))
         obj = "chat.completion" if self.kind == "chat" else "text_completion"
         return self._envelope(obj, choices, usage_of(outs))
 
@@ -91,7 +99,7 @@ class ResponseBuilder:
             }
         return {
             "index": index,
-            "text": c.text,
+            "text": self._echoed(index, c.text),
             "logprobs": completion_logprobs(c.logprobs),
             "finish_reason": reason,
             "stop_reason": c.stop_reason,
@@ -114,7 +122,7 @@ class ResponseBuilder:
             return self._envelope("chat.completion.chunk", [choice], None)
         choice = {
             "index": index,
-            "text": c.delta_text,
+            "text": self._echoed(index, c.delta_text) if first else c.delta_text,
             "logprobs": completion_logprobs(new_lp),
             "finish_reason": c.finish_reason,
         }

@@ -29,7 +29,7 @@ async def first_items(streams) -> list[RequestOutput | None]:
     return firsts
 
 
-async def collect(request: Request, streams, builder: ResponseBuilder, n: int) -> dict:
+async def collect(request: Request, streams, builder: ResponseBuilder) -> dict:
     async def last(stream) -> RequestOutput:
         out = None
         async for out in stream:  # noqa: B007 - the last output is the final one
@@ -44,7 +44,7 @@ async def collect(request: Request, streams, builder: ResponseBuilder, n: int) -
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             raise APIError(499, "client disconnected", "ClientDisconnected")
-    return builder.final([t.result() for t in tasks], n)
+    return builder.final([t.result() for t in tasks])
 
 
 async def sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator[str]:
