@@ -1,8 +1,8 @@
 """Batched sampling on the device.
 
-Order: penalties, min_tokens masking, then greedy rows take the argmax; the others divide by
-temperature, drop tokens outside top-k / top-p / min-p, and sample by the exponential race
-(argmax of p / E with E ~ Exp(1)), which lets every seeded row draw its noise from its own
+Order: penalties, logit_bias, min_tokens masking, then greedy rows take the argmax; the others
+divide by temperature, drop tokens outside top-k / top-p / min-p, and sample by the exponential
+race (argmax of p / E with E ~ Exp(1)), which lets every seeded row draw its noise from its own
 generator: a seeded request samples the same tokens whatever else is in the batch.
 Logprobs are those of the model's raw distribution (as vLLM returns by default)."""
 
@@ -75,6 +75,15 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     penalized = torch.where(logits > 0, logits / rep[:, None], logits * rep[:, None])
     logits = torch.where(seen, penalized, logits)
     return logits - presence[:, None] * (counts > 0) - frequency[:, None] * counts
+
+
+def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    for row, seq in enumerate(seqs):
+        bias = seq.params.logit_bias
+        if bias:
+            ids = torch.tensor(list(bias), dtype=torch.long, device=logits.device)
+            values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)
+            logits[row].index_add_(0, ids, values)
 
 
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[int]) -> None:
@@ -199,6 +208,7 @@ def sample(
         logits = apply_penalties(logits, batch)
     else:
         logits = logits.clone()
+    add_logit_bias(logits, seqs)
     mask_min_tokens(logits, seqs, eos)
     greedy = logits.argmax(-1)
     if bool((batch.temperature == 0).all()):

@@ -28,12 +28,15 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's plus the top k
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit (OpenAI's)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop)
         self.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            self.logit_bias = _bias_map(self.logit_bias)
         if self.top_k == -1:
             self.top_k = 0
         self._validate()
@@ -94,6 +97,11 @@ class SamplingParams:
                 "stop",
                 "stop must be a list of non-empty strings",
             ),
+            (
+                all(-100 <= b <= 100 for b in (self.logit_bias or {}).values()),
+                "logit_bias",
+                "logit_bias values must be in [-100, 100]",
+            ),
         ]
         for ok, param, message in checks:
             if not ok:
@@ -104,9 +112,19 @@ class SamplingParams:
         return self.temperature == 0
 
     def validate_for_vocab(self, vocab_size: int) -> None:
-        bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})",
-                "stop_token_ids",
-            )
+        for name, ids in (("stop_token_ids", self.stop_token_ids), ("logit_bias", self.logit_bias)):
+            bad = [t for t in ids or () if not 0 <= t < vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"{name} token ids {bad} are outside the vocabulary [0, {vocab_size})", name
+                )
+
+
+def _bias_map(bias: dict) -> dict[int, float]:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    try:
+        return {int(k): float(v) for k, v in bias.items()}
+    except (TypeError, ValueError):
+        raise InvalidRequestError(
+            'logit_bias must map token ids to numbers, e.g. {"50256": -100}', "logit_bias"
+        ) from None

@@ -4,6 +4,7 @@ compositions, stops, n > 1 and logprobs through the real engine."""
 from __future__ import annotations
 
 import math
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -87,6 +88,33 @@ def test_penalties_by_hand():
         ]
     )
     torch.testing.assert_close(out, expected)
+
+
+def test_logit_bias_by_hand():
+    """OpenAI's logit_bias (keys arrive as strings) is added to the logits before choosing;
+    the logprobs stay the model's."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0]])
+    params = SamplingParams(temperature=0, logit_bias={"2": 1.6, 0: -100}, logprobs=0)
+    batch = SamplingBatch.build([_seq(params)], 4, torch.device("cpu"))
+    out = sample(logits, batch, frozenset(), torch.Generator())
+    assert out.token_ids == [2]  # 0.5 + 1.6 = 2.1 beats 1.0; token 0 at 2 - 100 drops out
+    torch.testing.assert_close(out.logprobs, logits.log_softmax(-1))
+    params = SamplingParams(temperature=1.0, logit_bias={3: -100, 1: -100, 2: -100})
+    batch = SamplingBatch.build([_seq(params)] * 64, 4, torch.device("cpu"))
+    out = sample(logits.expand(64, 4), batch, frozenset(), torch.Generator().manual_seed(0))
+    assert set(out.token_ids) == {0}  # e^-100 of the mass is left to the others
+
+
+@pytest.mark.parametrize(
+    "bias,message",
+    [({"x": 1}, "map token ids"), ({"5": 101}, "[-100, 100]"), ({"49152": 1}, "outside")],
+)
+def test_bad_logit_bias_is_a_clear_error(bias, message):
+    from kiln.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match=re.escape(message)) as err:
+        SamplingParams(logit_bias=bias).validate_for_vocab(49152)
+    assert err.value.param == "logit_bias"
 
 
 def test_min_tokens_masks_eos():

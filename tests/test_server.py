@@ -126,7 +126,7 @@ def test_n_stop_seed_logprobs(client):
     assert len(clp.choices[0].logprobs.tokens) == 2
 
 
-def test_echo_and_vllm_stop_extras(client, server):
+def test_echo_logit_bias_and_vllm_stop_extras(client, server):
     """echo: each choice's text starts with its own prompt (decoded when given as tokens), in
     one-shot and streamed responses; vLLM's include_stop_str_in_output keeps the stop string."""
     prompts = [[504, 3575, 282], [282, 504]]
@@ -155,6 +155,13 @@ def test_echo_and_vllm_stop_extras(client, server):
         extra_body={"include_stop_str_in_output": True},
     )
     assert kept.choices[0].text.endswith(".") and kept.choices[0].finish_reason == "stop"
+    (bang,) = httpx.post(
+        server.base + "/tokenize", json={"prompt": "!", "add_special_tokens": False}
+    ).json()["tokens"]
+    forced = client.completions.create(
+        model=MODEL, prompt=text, temperature=0, max_tokens=3, logit_bias={str(bang): 100}
+    )
+    assert forced.choices[0].text == "!!!"
 
 
 def test_cached_tokens(client):
@@ -252,6 +259,12 @@ BAD = [
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "y"}]}, 400, "one of"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "seed": 2**70}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}, 400, "echo"),
+    (
+        "/v1/completions",
+        {"model": MODEL, "prompt": "x", "logit_bias": {"-3": 5}},
+        400,
+        "logit_bias",
+    ),
 ]
 
 

@@ -43,6 +43,7 @@ class _Sampling(_Request):
     stop_token_ids: list[int] | None = None
     min_tokens: int = Field(0, ge=0)
     ignore_eos: bool = False
+    logit_bias: dict[str, float] | None = None
     include_stop_str_in_output: bool = False  # vLLM's extras
     skip_special_tokens: bool = True
     stream: bool = False
@@ -67,6 +68,7 @@ class _Sampling(_Request):
             ignore_eos=self.ignore_eos,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            logit_bias=self.logit_bias,
             include_stop_str_in_output=self.include_stop_str_in_output,
         )
 
