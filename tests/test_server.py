@@ -63,6 +63,7 @@ def test_chat_and_completion(client):
         temperature=0,
         max_tokens=24,
         messages=[{"role": "user", "content": "What is the capital of France?"}],
+        response_format={"type": "text"},  # the default: accepted
     )
     assert "Paris" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
@@ -265,6 +266,13 @@ BAD = [
         400,
         "logit_bias",
     ),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json"}},
+        400,
+        "response_format",
+    ),
+    ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
 ]
 
 

@@ -1,5 +1,6 @@
 """Request bodies of the OpenAI API (pydantic), and the error envelope. Unknown fields are
-ignored (logged at debug), as vLLM does, so clients that send extras keep working."""
+ignored (logged at debug), as vLLM does, so clients that send extras keep working; known ones
+that would change the output and that kiln does not implement are a 400 (UNSUPPORTED)."""
 
 from __future__ import annotations
 
@@ -13,13 +14,38 @@ from kiln.sampling_params import MAX_LOGPROBS, SamplingParams
 logger = logging.getLogger(__name__)
 
 
+# Fields of OpenAI's or vLLM's API that would change the output and that kiln does not
+# implement: a request that uses them is refused rather than answered as if they were absent.
+UNSUPPORTED: dict[str, tuple[Any, str]] = {
+    "response_format": (
+        lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
+        "structured output (JSON mode, JSON schema)",
+    ),
+    "tools": (lambda v: bool(v), "tool calling"),
+    "functions": (lambda v: bool(v), "function calling"),
+    "suffix": (lambda v: bool(v), "completion suffixes"),
+    "best_of": (lambda v: v not in (None, 1), "best_of"),
+    "prompt_logprobs": (lambda v: v is not None, "prompt logprobs"),
+    "guided_json": (lambda v: v is not None, "guided decoding"),
+    "guided_regex": (lambda v: v is not None, "guided decoding"),
+    "guided_choice": (lambda v: v is not None, "guided decoding"),
+    "guided_grammar": (lambda v: v is not None, "guided decoding"),
+    "structured_outputs": (lambda v: v is not None, "structured output"),
+}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     @model_validator(mode="after")
-    def _log_extras(self) -> _Request:
-        if self.model_extra:
-            logger.debug("ignoring unknown request fields %s", sorted(self.model_extra))
+    def _refuse_unsupported_then_ignore_extras(self) -> _Request:
+        extras = self.model_extra or {}
+        for name, value in extras.items():
+            used, feature = UNSUPPORTED.get(name, (lambda v: False, ""))
+            if used(value):
+                raise ValueError(f"{name}: kiln does not support {feature}; remove {name}")
+        if extras:
+            logger.debug("ignoring unknown request fields %s", sorted(extras))
         return self
 
 
