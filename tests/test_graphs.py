@@ -98,6 +98,21 @@ def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, back
     assert st.graphs["graph_misses"] == 0
 
 
+def test_compiled_full_graphs_equal_eager(tiny_models):
+    """mode 3 with FULL graphs (the GPU benchmark's FULL row): one Inductor graph with the
+    attention op inside, captured whole at every size, for a prefill arriving beside a decode
+    and the decodes after. A short workload: every step runs Triton's CPU interpreter."""
+    workload = _workload()[1:3]  # 21 and 9 tokens, the second arriving a step later
+    eager = _engine(tiny_models["llama"], "NONE", 0, "triton", graphs=False)
+    reference = run_schedule(eager, workload, record_logits=True)
+    engine = _engine(tiny_models["llama"], "FULL", 3, "triton")
+    assert engine.runner.compile_backend.stats.pieces == 1  # not split
+    finals, logits = run_schedule(engine, workload, record_logits=True)
+    _assert_equals_reference(finals, logits, reference)
+    st = engine.stats().graphs
+    assert st["steps"]["FULL"] > 0 and st["steps"]["NONE"] == st["graph_misses"] == 0
+
+
 def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, references):
     """The GPU's boot: the largest graphs are captured on a provisional two-block KV cache to
     measure them, dropped, and captured again on the real cache. The compiled forward serves
