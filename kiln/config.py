@@ -42,7 +42,7 @@ def parse_bytes(value: int | float | str) -> int:
 @dataclass(frozen=True)
 class CacheConfig:
     block_size: int = 16
-    # Exactly one of the two budgets applies: an absolute byte count wins over the fraction.
+    # At most one of the two budgets; neither: the device's default fraction of free memory.
     kv_cache_memory: int | None = None
     kv_cache_memory_fraction: float | None = None
     enable_prefix_caching: bool = True
@@ -55,6 +55,11 @@ class CacheConfig:
         frac = self.kv_cache_memory_fraction
         if frac is not None and not 0 < frac <= 1:
             raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {frac}")
+        if frac is not None and self.kv_cache_memory is not None:
+            raise ConfigError(
+                "both kv_cache_memory and kv_cache_memory_fraction were given; pass one: "
+                "--kv-cache-memory (bytes, e.g. 2GiB) or --kv-cache-memory-fraction"
+            )
 
 
 # The step's token budget when none is given. On the CPU a prefill chunk stalls every running

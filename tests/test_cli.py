@@ -35,6 +35,9 @@ def test_bad_flag_is_one_clear_line():
     res = _kiln("generate", "hi", "--model", "/no/such/model.gguf")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "not found" in res.stderr
+    res = _kiln("generate", "hi", "--kv-cache-memory", "1GiB", "--kv-cache-memory-fraction", "0.3")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "pass one" in res.stderr  # was: the byte count silently won
 
 
 def test_info_prints_architecture_and_config():
