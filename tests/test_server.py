@@ -273,6 +273,12 @@ BAD = [
         "response_format",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
+    (
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},
+        400,
+        "top_logprobs",
+    ),
 ]
 
 
