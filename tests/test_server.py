@@ -68,6 +68,11 @@ def test_chat_and_completion(client):
     assert "Paris" in chat.choices[0].message.content
     assert chat.choices[0].finish_reason == "stop"
     assert chat.usage.completion_tokens == 8 and chat.usage.prompt_tokens == 37
+    parts = [{"type": "text", "text": t} for t in ("What is the capital ", "of France?")]
+    as_parts = client.chat.completions.create(
+        model=MODEL, temperature=0, max_tokens=24, messages=[{"role": "user", "content": parts}]
+    )
+    assert as_parts.choices[0].message.content == chat.choices[0].message.content
     comp = client.completions.create(model=MODEL, prompt="1 + 1 =", temperature=0, max_tokens=4)
     assert comp.choices[0].finish_reason == "length" and comp.usage.completion_tokens == 4
 
@@ -273,6 +278,22 @@ BAD = [
         "response_format",
     ),
     ("/v1/completions", {"model": MODEL, "prompt": "x", "suffix": "end"}, 400, "suffix"),
+    (
+        "/v1/chat/completions",
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "http://x/y.png"}},
+                    ],
+                }
+            ]
+        },
+        400,
+        "image_url",
+    ),
     (
         "/v1/chat/completions",
         {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

@@ -121,6 +121,17 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
 
+    @model_validator(mode="after")
+    def _text_parts_only(self) -> ChatMessage:
+        for part in self.content if isinstance(self.content, list) else ():
+            if part.get("type") != "text":
+                kind = part.get("type", "(no type)")
+                raise ValueError(
+                    f"content part type {kind!r} is not supported: kiln serves text-only "
+                    "models; send text parts"
+                )
+        return self
+
     def text(self) -> str:
         if isinstance(self.content, list):
             return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
