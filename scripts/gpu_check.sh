@@ -21,7 +21,10 @@ python -c "import torch, triton; print(torch.__version__, triton.__version__, to
 
 if [[ $PART == all || $PART == tests ]]; then
   # real CUDA graphs in the five modes vs eager, graph misses, graph memory vs the reservation
-  timeout 200 python -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee "$OUT/cuda_tests.log" | tail -15
+  # -v: each test's result is logged as it finishes, so a run cut at the deadline still says
+  # which passed; --durations shows where the time went
+  timeout 200 python -m pytest -v -m cuda --durations=8 tests/test_cuda.py 2>&1 \
+    | tee "$OUT/cuda_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|error|skipped|s call|s setup" | tail -30
 fi
 if [[ $PART == all || $PART == triton ]]; then
   # the Triton kernels on the GPU (interpreter tests too) and compiled for sm_90
