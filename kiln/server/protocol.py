@@ -16,22 +16,28 @@ logger = logging.getLogger(__name__)
 
 # Fields of OpenAI's or vLLM's API that would change the output and that kiln does not
 # implement: a request that uses them is refused rather than answered as if they were absent.
-UNSUPPORTED: dict[str, tuple[Any, str]] = {
-    "response_format": (
-        lambda v: isinstance(v, dict) and v.get("type", "text") != "text",
-        "structured output (JSON mode, JSON schema)",
-    ),
-    "tools": (lambda v: bool(v), "tool calling"),
-    "functions": (lambda v: bool(v), "function calling"),
-    "suffix": (lambda v: bool(v), "completion suffixes"),
-    "best_of": (lambda v: v not in (None, 1), "best_of"),
-    "prompt_logprobs": (lambda v: v is not None, "prompt logprobs"),
-    "guided_json": (lambda v: v is not None, "guided decoding"),
-    "guided_regex": (lambda v: v is not None, "guided decoding"),
-    "guided_choice": (lambda v: v is not None, "guided decoding"),
-    "guided_grammar": (lambda v: v is not None, "guided decoding"),
-    "structured_outputs": (lambda v: v is not None, "structured output"),
+UNSUPPORTED = {
+    "response_format": "structured output (JSON mode, JSON schema)",
+    "tools": "tool calling",
+    "functions": "function calling",
+    "suffix": "completion suffixes",
+    "best_of": "best_of",
+    "prompt_logprobs": "prompt logprobs",
+    "guided_json": "guided decoding",
+    "guided_regex": "guided decoding",
+    "guided_choice": "guided decoding",
+    "guided_grammar": "guided decoding",
+    "structured_outputs": "structured output",
 }
+
+
+def _in_use(name: str, value: Any) -> bool:
+    """Whether a request asks for the feature, not just sends the field's neutral value."""
+    if name == "response_format":
+        return isinstance(value, dict) and value.get("type", "text") != "text"
+    if name == "best_of":
+        return value not in (None, 1)
+    return not (value is None or value is False or value in ("", [], {}))
 
 
 class _Request(BaseModel):
@@ -41,9 +47,10 @@ class _Request(BaseModel):
     def _refuse_unsupported_then_ignore_extras(self) -> _Request:
         extras = self.model_extra or {}
         for name, value in extras.items():
-            used, feature = UNSUPPORTED.get(name, (lambda v: False, ""))
-            if used(value):
-                raise ValueError(f"{name}: kiln does not support {feature}; remove {name}")
+            if name in UNSUPPORTED and _in_use(name, value):
+                raise ValueError(
+                    f"{name}: kiln does not support {UNSUPPORTED[name]}; remove {name}"
+                )
         if extras:
             logger.debug("ignoring unknown request fields %s", sorted(extras))
         return self
@@ -133,8 +140,8 @@ class ChatMessage(BaseModel):
         return self
 
     def text(self) -> str:
-        if isinstance(self.content, list):
-            return "".join(p.get("text", "") for p in self.content if p.get("type") == "text")
+        if isinstance(self.content, list):  # text parts only (checked above)
+            return "".join(p.get("text", "") for p in self.content)
         return self.content or ""
 
 
