@@ -41,10 +41,12 @@ def _inputs(dtype: torch.dtype):
 
 
 def _run(cache, q, k, v, meta):
-    return torch_paged_attention(
-        q, k, v, cache[0], cache[1], meta.slot_mapping, meta.query_start_loc, meta.seq_lens,
-        meta.block_tables, meta.decode_slots, meta.decode_bias, D**-0.5,
+    out = torch.full((q.shape[0], H * D), float("nan"), dtype=q.dtype)  # every row is written
+    torch_paged_attention(
+        q, k, v, cache[0], cache[1], out, meta.slot_mapping, meta.query_start_loc,
+        meta.seq_lens, meta.block_tables, meta.decode_slots, meta.decode_bias, D**-0.5,
     )  # fmt: skip
+    return out
 
 
 def _by_hand(cache, q, meta) -> torch.Tensor:
@@ -84,3 +86,14 @@ def test_every_attention_runs_on_the_fused_kernel():
     assert not [n for n in names if "attention_math" in n]
     fused = [e for e in prof.key_averages() if e.key.startswith("aten::_scaled_dot_product_flash")]
     assert sum(e.count for e in fused) == 3  # the decodes together, then each prefill
+
+
+def test_padding_rows_become_zeros():
+    """Rows past the batch's tokens (a graph's padding) come out as zeros, whatever the output
+    buffer held: it is allocated empty, inside a compiled piece."""
+    cache, q, k, v, meta = _inputs(torch.float32)
+    pad = 3
+    q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:])]) for x in (q, k, v))
+    padded = _run(cache.clone(), q, k, v, meta)
+    torch.testing.assert_close(padded[:-pad], _run(cache, q[:-pad], k[:-pad], v[:-pad], meta))
+    assert padded[-pad:].abs().max() == 0

@@ -53,13 +53,15 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim):
     from kiln.attention.triton_backend import triton_paged_attention
 
     ours_cache = cache.to(DEVICE)
-    out = triton_paged_attention(
-        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), ours_cache[0], ours_cache[1],
+    out = torch.full((t + pad, h * head_dim), float("nan"), device=DEVICE)  # all rows written
+    triton_paged_attention(
+        q.to(DEVICE), k.to(DEVICE), v.to(DEVICE), ours_cache[0], ours_cache[1], out,
         torch.tensor(slots + [-1] * pad, device=DEVICE),
         torch.tensor(kv_lens + [0] * pad, dtype=torch.int32, device=DEVICE),
         torch.tensor(offsets + [0] * pad, dtype=torch.int32, device=DEVICE),
         flat.to(DEVICE), head_dim**-0.5,
-    ).cpu()  # fmt: skip
+    )  # fmt: skip
+    out = out.cpu()
     width = flat.numel() // len(tables)
     meta = AttentionMetadata(
         torch.tensor(slots),
@@ -71,8 +73,9 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim):
         max(f + n for f, n in zip(firsts, q_lens)),
     )
     meta = TorchPagedAttentionBackend().build_metadata(meta, block_size)
-    ref = torch_paged_attention(
-        q[:t], k[:t], v[:t], theirs[0], theirs[1], meta.slot_mapping, meta.query_start_loc,
+    ref = torch.empty(t, h * head_dim)
+    torch_paged_attention(
+        q[:t], k[:t], v[:t], theirs[0], theirs[1], ref, meta.slot_mapping, meta.query_start_loc,
         meta.seq_lens, meta.block_tables, meta.decode_slots, meta.decode_bias, head_dim**-0.5,
     )  # fmt: skip
     torch.testing.assert_close(out[:t], ref, rtol=1e-5, atol=1e-5)

@@ -56,8 +56,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        out: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
+    ) -> None:
         """q: [T, H, D], k/v: [T, Hkv, D], caches: [num_blocks, block_size, Hkv, D].
-        Writes k/v into the cache at meta.slot_mapping, returns [T, H * D]."""
+        Writes k/v into the cache at meta.slot_mapping and the attention output into `out`
+        [T, H * D], which the caller allocates: inside a compiled piece, so a PIECEWISE graph
+        owns it and the next piece reads it where the op wrote it (nothing to copy)."""

@@ -30,14 +30,21 @@ class Attention(nn.Module):
             raise RuntimeError(
                 "the KV cache was not bound to this attention layer before a forward"
             )
+        # The output is allocated here, before the op: in the compiled piece ahead of the split,
+        # so under PIECEWISE graphs it sits in the graph pool at a fixed address that the eager
+        # op fills and the next piece's graph reads (a fresh output from the op would have to
+        # be copied to the captured address in every layer of every replay).
+        out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
         # Contiguous by construction: these cross the split boundary of the compiled mode, and a
         # strided view there is what crashed the field report's capture.
-        return self.backend.forward(
+        self.backend.forward(
             q.contiguous(),
             k.contiguous(),
             v.contiguous(),
             self.k_cache,
             self.v_cache,
+            out,
             meta,
             self.scale,
         )
+        return out

@@ -18,8 +18,8 @@ from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSup
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "torch_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
-    "Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, Tensor block_tables, "
-    "Tensor decode_slots, Tensor decode_bias, float scale) -> Tensor"
+    "Tensor(c!) out, Tensor slot_mapping, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor block_tables, Tensor decode_slots, Tensor decode_bias, float scale) -> ()"
 )
 
 
@@ -77,6 +77,7 @@ def torch_paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    out: torch.Tensor,
     slot_mapping: torch.Tensor,
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
@@ -84,7 +85,9 @@ def torch_paged_attention(
     decode_slots: torch.Tensor,
     decode_bias: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
+) -> None:
+    """Writes this step's keys and values into the caches and the attention output into `out`
+    [T, H * D] (rows past the batch's tokens, padding, become zeros)."""
     block_size, hkv, d = k_cache.shape[1:]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
@@ -97,8 +100,9 @@ def torch_paged_attention(
         decode_slots = decode_slots.view(n_dec, -1)
         decode_bias = decode_bias.view(n_dec, -1)
     if n_dec == q.shape[0]:
-        return _decode(q, k_flat, v_flat, decode_slots, decode_bias, scale)
-    out = q.new_zeros(q.shape[0], q.shape[1] * d)
+        out.copy_(_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
+        return
+    out[n_tokens:] = 0
     if n_dec:
         out[:n_dec] = _decode(q[:n_dec], k_flat, v_flat, decode_slots, decode_bias, scale)
     lens = seq_lens.tolist()
@@ -107,7 +111,6 @@ def torch_paged_attention(
         out[a:b] = _prefill(
             q[a:b], k[a:b], v[a:b], k_flat, v_flat, block_tables[i], lens[i], block_size, scale
         )
-    return out
 
 
 def _fake(
@@ -116,6 +119,7 @@ def _fake(
     v,
     k_cache,
     v_cache,
+    out,
     slot_mapping,
     query_start_loc,
     seq_lens,
@@ -123,8 +127,8 @@ def _fake(
     decode_slots,
     decode_bias,
     scale,
-):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+) -> None:
+    return None
 
 
 _LIB.impl("torch_paged_attention", torch_paged_attention, "CompositeExplicitAutograd")
@@ -170,15 +174,17 @@ class TorchPagedAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        out: torch.Tensor,
         meta: TorchPagedMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        return torch.ops.kiln.torch_paged_attention(
+    ) -> None:
+        torch.ops.kiln.torch_paged_attention(
             q,
             k,
             v,
             k_cache,
             v_cache,
+            out,
             meta.slot_mapping,
             meta.query_start_loc,
             meta.seq_lens,

@@ -22,8 +22,8 @@ from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSup
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "triton_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, "
-    "Tensor(b!) v_cache, Tensor slot_mapping, Tensor token_kv_lens, "
-    "Tensor token_table_offsets, Tensor block_tables_flat, float scale) -> Tensor"
+    "Tensor(b!) v_cache, Tensor(c!) out, Tensor slot_mapping, Tensor token_kv_lens, "
+    "Tensor token_table_offsets, Tensor block_tables_flat, float scale) -> ()"
 )
 
 
@@ -116,19 +116,20 @@ def triton_paged_attention(
     v: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
+    out: torch.Tensor,
     slot_mapping: torch.Tensor,
     token_kv_lens: torch.Tensor,
     token_table_offsets: torch.Tensor,
     block_tables_flat: torch.Tensor,
     scale: float,
-) -> torch.Tensor:
-    """q: [T, H, D], k/v: [T, Hkv, D] contiguous; caches [num_blocks, block_size, Hkv, D]."""
+) -> None:
+    """q: [T, H, D], k/v: [T, Hkv, D] contiguous; caches [num_blocks, block_size, Hkv, D];
+    writes the attention output into `out` [T, H * D] (zeros for padding rows)."""
     t, h, d = q.shape
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     block_d = triton.next_power_of_2(d)
-    out = q.new_empty(t, h * d)
     if t == 0:
-        return out
+        return
     _write_kv_kernel[(t, hkv)](
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), k_cache.stride(1), k_cache.stride(2),
@@ -140,11 +141,10 @@ def triton_paged_attention(
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=h // hkv, D=d, BLOCK_D=block_d, BLOCK_SIZE=block_size,
     )  # fmt: skip
-    return out
 
 
-def _fake(q, k, v, k_cache, v_cache, slot_mapping, lens, offsets, tables, scale):
-    return q.new_empty(q.shape[0], q.shape[1] * q.shape[2])
+def _fake(q, k, v, k_cache, v_cache, out, slot_mapping, lens, offsets, tables, scale) -> None:
+    return None
 
 
 _LIB.impl("triton_paged_attention", triton_paged_attention, "CompositeExplicitAutograd")
@@ -165,15 +165,17 @@ class TritonPagedAttentionBackend(AttentionBackend):
         v: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
+        out: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
-    ) -> torch.Tensor:
-        return torch.ops.kiln.triton_paged_attention(
+    ) -> None:
+        torch.ops.kiln.triton_paged_attention(
             q,
             k,
             v,
             k_cache,
             v_cache,
+            out,
             meta.slot_mapping,
             meta.token_kv_lens,
             meta.token_table_offsets,
