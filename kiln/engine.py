@@ -393,5 +393,9 @@ class LLMEngine:
             prefix_cache_queried_tokens=b.stats.queried_tokens,
             prefix_cache_hit_tokens=b.stats.hit_tokens,
             num_steps=self.num_steps,
-            graphs=self.runner.counters.to_dict() | {"recompilations": self.runner.recompilations},
+            graphs=self.runner.counters.to_dict()
+            | {
+                "recompilations": self.runner.recompilations,
+                "piecewise_input_copies": self.runner.graph_input_copies,
+            },
         )

@@ -1,6 +1,7 @@
-"""CUDA graphs at boot, beside the KV cache: the largest graph of each kind is captured and
-measured before the KV cache is sized; with a fixed KV budget the capture ladder is cut to the
-memory left; then the whole ladder is captured, largest first."""
+"""CUDA graphs at boot, beside the KV cache: every graph of the plan is captured and measured
+on a provisional KV cache before the real one is sized; with a fixed KV budget the capture
+ladder is cut to the memory left; then the graphs are captured again on the real cache (they
+read its addresses), largest first."""
 
 from __future__ import annotations
 
@@ -41,15 +42,19 @@ class GraphBoot:
         self.estimate: GraphMemoryEstimate | None = None
 
     def measure(self, dtype: torch.dtype) -> int:
-        """Capture the largest graph of each kind on a provisional two-block KV cache (capture
-        batches are all padding: they read and write no KV), measure the memory it takes and
-        release it; the KV cache is then sized beside it."""
+        """Capture every graph of the plan on a provisional two-block KV cache (capture batches
+        are all padding: they read and write no KV), measure the memory they take and release
+        it; the KV cache is then sized beside it. The whole ladder, not its largest size
+        extrapolated: the sizes share one pool, so memory does not scale with their number,
+        and what each graph costs on its own is the device's to say (vLLM's two-sample
+        extrapolation overestimated 3x on some models and underestimated on others)."""
         gb = self.backend
         if gb is None or not gb.measures_memory:
             return 0
         self.runner.allocate_kv_cache(2, dtype)
+        self.runner.warm_up_graphs()
         before = gb.memory_in_use()
-        self.runner.capture_graphs(only_largest=True)
+        self.runner.capture_graphs()
         measured = max(0, gb.memory_in_use() - before)
         self.runner.drop_graphs()
         self.runner.kv_caches = []
@@ -71,7 +76,9 @@ class GraphBoot:
         gb = self.backend
         if gb is None:
             return
-        t0, before = time.monotonic(), gb.memory_in_use()
+        t0 = time.monotonic()
+        self.runner.warm_up_graphs()
+        before = gb.memory_in_use()
         self.stats.graphs = self.runner.capture_graphs()
         self.stats.memory_bytes = max(0, gb.memory_in_use() - before)
         self.stats.seconds = time.monotonic() - t0

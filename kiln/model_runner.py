@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,6 +69,7 @@ class ModelRunner:
                 fullgraph=True,
                 options={"guard_filter_fn": model_guard_filter},
             )
+        self.graph_backend = graph_backend
         self.full: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if graph_backend is not None:
@@ -226,6 +228,16 @@ class ModelRunner:
                 count += 1
         return count
 
+    @torch.inference_mode()
+    def warm_up_graphs(self) -> None:
+        """One uncaptured forward at the largest capture size, as the captures run it: compiles
+        (mode 3), loads kernels and allocates the capture stream's workspaces, so that graph
+        memory read across the captures is the graphs' own."""
+        sizes = self.capture_sizes(RuntimeMode.PIECEWISE) + self.capture_sizes(RuntimeMode.FULL)
+        if not sizes or self.graph_backend is None:
+            return
+        self.graph_backend.warm_up(self._padded_forward(max(sizes)))
+
     def release_memory(self) -> None:
         """Drop the graphs and the KV cache (the engine is closing)."""
         self.drop_graphs()
@@ -237,8 +249,7 @@ class ModelRunner:
         if self.full is not None:
             self.full.graphs.clear()
         if self.piecewise is not None:
-            self.piecewise.graphs.clear()
-            self.piecewise.sizes.clear()
+            self.piecewise.clear()
 
     def _padding_meta(self, size: int) -> AttentionMetadata:
         """A batch of `size` padding tokens and no request: what graphs are captured on (their
@@ -260,20 +271,24 @@ class ModelRunner:
         )
         return self.backend.build_metadata(meta, self.block_size)
 
-    def _capture_full(self, size: int) -> None:
+    def _padded_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """The forward of a batch of `size` padding tokens, as graphs are captured on it."""
         b, meta = self.buffers, self._padding_meta(size)
         ids, pos = b.input_ids[:size], b.positions[:size]
-        self._forward(ids, pos, meta)  # warm-up: compilation, autotuning, workspaces
-        self.full.capture(size, lambda: self._forward(ids, pos, meta))
+        return lambda: self._forward(ids, pos, meta)
+
+    def _capture_full(self, size: int) -> None:
+        run = self._padded_forward(size)
+        self.full.backend.warm_up(run)  # this size's first call (autotuning, workspaces)
+        self.full.capture(size, run)
 
     def _capture_piecewise(self, size: int) -> int:
-        b, meta = self.buffers, self._padding_meta(size)
-        ids, pos = b.input_ids[:size], b.positions[:size]
-        self._forward(ids, pos, meta)
+        run = self._padded_forward(size)
+        self.piecewise.backend.warm_up(run)
         before = len(self.piecewise.graphs)
         self.piecewise.state = RuntimeState(RuntimeMode.PIECEWISE, size, capturing=True)
         try:
-            self._forward(ids, pos, meta)
+            run()
         finally:
             self.piecewise.state = RuntimeState()
         self.piecewise.sizes.add(size)
@@ -308,6 +323,11 @@ class ModelRunner:
     def mark_warmed_up(self) -> None:
         if self.compile_backend is not None:
             self.compile_backend.stats.warmed_up = True
+
+    @property
+    def graph_input_copies(self) -> int:
+        """Inputs a PIECEWISE replay had to copy to their captured address (0 by design)."""
+        return self.piecewise.copies if self.piecewise is not None else 0
 
     @property
     def recompilations(self) -> int:

@@ -1,10 +1,14 @@
 """CUDA checks (skipped without a GPU): the engine on a CUDA device against HF transformers,
 and real CUDA graphs in each of the five graph modes: greedy tokens and logits equal eager on a
-mixed workload (arrivals at different steps, prefix hits, preemption), zero graph misses on a
-steady decode, and the graph memory measured at capture within 10% of what was reserved
-before the KV cache was sized."""
+mixed workload (arrivals at different steps, prefix hits, preemption) with no input copied
+into a PIECEWISE graph, zero graph misses on a steady decode, the graph memory measured at
+capture within 10% of what was reserved before the KV cache was sized, and the graphs of
+every capture size sharing one pool (the ladder costs about what its largest size does)."""
 
 from __future__ import annotations
+
+import os
+import shutil
 
 import pytest
 import torch
@@ -12,6 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from kiln import SamplingParams
 from kiln.compilation import CompilationConfig
+from kiln.compilation.plan import RuntimeMode
 from kiln.config import CacheConfig, EngineConfig, SchedulerConfig
 from kiln.engine import LLMEngine
 from tests.helpers import run_schedule
@@ -30,6 +35,7 @@ def _engine(
     compilation: CompilationConfig,
     kv: int | None = 256 * 2**20,
     max_model_len: int | None = None,
+    max_num_batched_tokens: int = 32,
 ) -> LLMEngine:
     cache = CacheConfig(block_size=16, kv_cache_memory=kv)
     if kv is None:
@@ -41,7 +47,9 @@ def _engine(
             device="cuda",
             cache=cache,
             scheduler=SchedulerConfig(
-                max_num_batched_tokens=32, max_num_seqs=8, max_model_len=max_model_len
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_num_seqs=8,
+                max_model_len=max_model_len,
             ),
             compilation=compilation,
         )
@@ -113,6 +121,7 @@ def test_cuda_graph_mode_equals_eager(tiny_models, eager_reference, graph_mode):
     assert finals["5"].num_cached_tokens > 0
     assert st.num_preemptions == preemptions > 0
     assert st.graphs["graph_misses"] == 0 and st.graphs["recompilations"] == 0
+    assert st.graphs["piecewise_input_copies"] == 0
     if graph_mode != "NONE":
         assert engine.capture.graphs > 0
 
@@ -128,9 +137,69 @@ def test_cuda_steady_decode_has_no_graph_misses(tiny_models, graph_mode):
     assert st["graph_misses"] == 0 and st["steps"]["FULL"] >= 18
 
 
-def test_cuda_graph_memory_within_ten_percent_of_the_reservation(tiny_models):
-    config = CompilationConfig(mode=3, cudagraph_mode="FULL_AND_PIECEWISE")  # the default ladder
-    engine = _engine(tiny_models["qwen3"], "bfloat16", config, kv=None)
-    cap = engine.capture
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory, tokenizer_dir) -> str:
+    """Qwen3-0.6B's widths in two layers: wide enough that graph memory is tens of MB, far
+    above the allocator's 2 MB segments, so that how it scales with the ladder shows."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    path = str(tmp_path_factory.mktemp("wide"))
+    cfg = Qwen3Config(
+        vocab_size=49152,
+        hidden_size=1024,
+        intermediate_size=3072,
+        num_hidden_layers=2,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        head_dim=128,
+        max_position_embeddings=4096,
+    )
+    Qwen3ForCausalLM(cfg).save_pretrained(path)
+    for name in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, name), path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def wide_engine(wide_model):
+    """FULL_AND_PIECEWISE with the default ladder of a 512-token budget (67 sizes)."""
+    config = CompilationConfig(mode=3, cudagraph_mode="FULL_AND_PIECEWISE")
+    return _engine(wide_model, "float32", config, kv=None, max_num_batched_tokens=512)
+
+
+def test_cuda_graph_memory_within_ten_percent_of_the_reservation(wide_engine):
+    cap = wide_engine.capture
+    assert len(wide_engine.plan.mixed_capture_sizes) == 67
     assert cap.graphs > 0 and cap.reserved_bytes > 0
     assert abs(cap.memory_bytes - cap.reserved_bytes) <= 0.1 * cap.reserved_bytes, cap
+
+
+def test_cuda_graphs_of_every_size_share_one_pool(wide_model, wide_engine):
+    """The whole ladder against its largest size alone: graphs that kept their outputs would
+    cost the sum of the sizes (32x the largest for these 67); sharing the pool, about 1x plus
+    what each graph costs the device. Then the mixed workload, whose steps replay graphs of
+    several sizes one after another over the shared memory, still equals eager."""
+    runner, gb = wide_engine.runner, wide_engine.graph_backend
+
+    def captured(only_largest: bool) -> int:
+        runner.drop_graphs()
+        gb.release()
+        before = gb.memory_in_use()
+        runner.capture_graphs(only_largest=only_largest)
+        return gb.memory_in_use() - before
+
+    largest, ladder = captured(True), captured(False)
+    sizes = runner.capture_sizes(RuntimeMode.PIECEWISE)
+    unshared = largest * sum(sizes) / max(sizes)
+    assert largest > 0 and ladder < unshared / 4, (largest, ladder, unshared)
+    eager = _engine(
+        wide_model, "float32", CompilationConfig(mode=0, cudagraph_mode="NONE"), kv=None
+    )
+    ref, ref_logits = run_schedule(eager, _workload(), record_logits=True)
+    finals, logits = run_schedule(wide_engine, _workload(), record_logits=True)
+    for rid in ref:
+        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+    st = wide_engine.stats().graphs
+    assert st["graph_misses"] == 0 and st["steps"]["FULL"] > 0 and st["steps"]["PIECEWISE"] > 0

@@ -15,7 +15,14 @@ import torch
 from kiln import SamplingParams
 from kiln.compilation import CompilationConfig
 from kiln.compilation.capture import GraphMemoryEstimate, fit_ladder
-from kiln.compilation.graphs import EmulatedGraphBackend, FullGraphs, PiecewiseGraphs, RuntimeState
+from kiln.compilation.graphs import (
+    EmulatedGraphBackend,
+    FullGraphs,
+    GraphBackend,
+    PiecewiseGraphs,
+    RuntimeState,
+    unowned,
+)
 from kiln.compilation.plan import RuntimeMode
 from kiln.errors import ConfigError
 from tests.helpers import make_engine, run_schedule
@@ -96,6 +103,9 @@ def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, back
     steps = {m: n for m, n in st.graphs["steps"].items() if n}
     assert set(steps) == ran, steps
     assert st.graphs["graph_misses"] == 0
+    # the attention ops fill an output the piece before them allocated: a PIECEWISE replay
+    # finds every input at its captured address (it copied each layer's output before)
+    assert st.graphs["piecewise_input_copies"] == 0
 
 
 def test_compiled_full_graphs_equal_eager(tiny_models):
@@ -132,6 +142,8 @@ def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, reference
     )
     assert engine.graphs.estimate is not None  # the measurement ran, on two blocks
     assert engine.runner.kv_caches[0][0].shape[0] > 2
+    # it captured the whole ladder, as the real capture did after it
+    assert engine.graph_backend.captures == 2 * engine.capture.graphs
     assert engine.runner.compile_backend.stats.compilations == 1
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, references["torch"])
@@ -177,6 +189,58 @@ def test_piecewise_copies_inputs_that_moved():
     assert pw.copies == 1  # the moved input was copied; the weight was not
     pw.state = RuntimeState()
     assert pw.call("p", torch.add, (fresh, weight)).tolist() == [3.0, 4.0, 5.0]  # NONE: plain
+
+
+def test_unowned_aliases_memory_without_keeping_it():
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    base = torch.arange(12.0)
+    view = base[2:10].view(2, 4)
+    alias = unowned(view)
+    assert (alias.data_ptr(), alias.shape, alias.stride()) == (
+        view.data_ptr(),
+        view.shape,
+        view.stride(),
+    )
+    alias[0, 0] = 99.0
+    assert base[2] == 99.0  # the same memory
+    storage = StorageWeakRef(base.untyped_storage())
+    del base, view
+    assert storage.expired()  # and not kept allocated by the alias
+    assert unowned((1, None)) == (1, None)
+
+
+class _PoolBackend(GraphBackend):
+    """Captures like a CUDA graph pool as far as Python sees it: the memory is the pool's, no
+    Python object holds the outputs (never replayed: the memory is not really kept here)."""
+
+    def capture(self, fn):
+        return (lambda: None), fn()
+
+
+def test_piecewise_graphs_hold_their_outputs_unowned():
+    """Graph outputs go back to the pool when a capture's forward drops them, so the next
+    (smaller) size's captures reuse that memory; held by the graphs, every (piece, size) would
+    keep its own and the pool would grow with the sum of the ladder."""
+    import gc
+    import weakref
+
+    pw = PiecewiseGraphs(_PoolBackend())
+    weight, x = torch.full((4,), 2.0), torch.ones(4)
+    pw.state = RuntimeState(RuntimeMode.PIECEWISE, 4, capturing=True)
+    first = pw.call("p0", torch.mul, (x, weight))
+    second = pw.call("p1", torch.add, (first, weight))
+    ptrs = [first.data_ptr(), second.data_ptr()]
+    refs = [weakref.ref(first), weakref.ref(second)]
+    del first, second
+    gc.collect()
+    assert [r() for r in refs] == [None, None]  # nothing of kiln's holds the outputs
+    p0, p1 = pw.graphs[("p0", 4)], pw.graphs[("p1", 4)]
+    assert [p0.outputs.data_ptr(), p1.outputs.data_ptr()] == ptrs  # their aliases remain
+    assert p1.inputs[0].data_ptr() == ptrs[0]  # an earlier graph's output: an alias too
+    assert p0.inputs[0] is x and p0.inputs[1] is weight  # anything else is held
+    pw.clear()
+    assert not pw.graphs and not pw.pool_outputs
 
 
 def _plan(sizes):

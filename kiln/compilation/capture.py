@@ -17,9 +17,9 @@ GiB = 2**30
 
 @dataclass(frozen=True)
 class GraphMemoryEstimate:
-    """Memory measured capturing the largest size of each graph kind. The pool all graphs
-    share is sized by the largest activations, so smaller sizes scale it down roughly in
-    proportion to their token count."""
+    """Memory measured capturing the whole ladder. The pool all graphs share is sized by the
+    largest size's activations, and the graphs' own cost grows with how many sizes there are,
+    so a ladder cut at a smaller largest size scales it down roughly in proportion."""
 
     measured_bytes: int
     largest_size: int

@@ -1,6 +1,15 @@
 """Graph capture and replay: FULL graphs (one per capture size, the whole forward) and
 PIECEWISE graphs (one per compiled piece and capture size, splitting ops eager in between).
 
+Every graph's outputs live in the backend's one memory pool, and kiln keeps them only through
+non-owning aliases (`unowned`): when a capture's forward ends, its tensors go back to the pool,
+and the next capture (the next smaller size) reuses that memory. So the graphs of every size
+share one pool as large as the largest size's, which is what boot measures before sizing the
+KV cache; held strongly, each (piece, size) would keep its outputs, and the pool would grow with
+the sum of the ladder (about 30x the largest size for vLLM's 67-size ladder). Sharing is safe
+because one step replays one size's graphs, in capture order, and uses the output before the
+next step replays anything.
+
 A `GraphBackend` captures a callable and returns how to replay it. On a GPU that is a CUDA
 graph in one memory pool shared by every capture. The emulated backend (CPU tests) replays by
 re-running the callable on the same tensors and copying the results into the captured outputs:
@@ -31,7 +40,15 @@ class GraphBackend(ABC):
 
     @abstractmethod
     def capture(self, fn: Callable[[], Any]) -> tuple[Replay, Any]:
-        """Capture fn(); return (replay, fn's outputs, which every replay rewrites)."""
+        """Capture fn(); return (replay, fn's outputs, which every replay rewrites). The memory
+        of the outputs must stay valid for replays after the caller drops them: a CUDA graph's
+        pool keeps it, the emulator keeps the tensors."""
+
+    def warm_up(self, fn: Callable[[], Any]) -> Any:
+        """Run fn() as captures will, but uncaptured: on a GPU on the capture stream, so that
+        what a first call allocates (compiled kernels, the stream's cuBLAS workspace) exists
+        before graph memory is read, not inside the first capture."""
+        return fn()
 
     def memory_in_use(self) -> int:
         """Device bytes in use now (graph memory is the difference across captures)."""
@@ -47,6 +64,14 @@ class CudaGraphBackend(GraphBackend):
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
         self.stream = torch.cuda.Stream(device)
+
+    def warm_up(self, fn: Callable[[], Any]) -> Any:
+        current = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(current)
+        with torch.cuda.stream(self.stream):
+            out = fn()
+        current.wait_stream(self.stream)
+        return out
 
     def capture(self, fn: Callable[[], Any]) -> tuple[Replay, Any]:
         graph = torch.cuda.CUDAGraph()
@@ -68,7 +93,8 @@ class CudaGraphBackend(GraphBackend):
 
 class EmulatedGraphBackend(GraphBackend):
     """CPU stand-in with a CUDA graph's semantics: replay reads whatever the captured input
-    tensors hold now and writes into the captured output tensors."""
+    tensors hold now and writes into the captured output tensors (which its replay keeps alive,
+    as a CUDA graph's pool keeps their memory; it does not share memory between captures)."""
 
     def __init__(self, measures_memory: bool = False) -> None:
         """`measures_memory`: run the GPU's boot sequence (capture on a provisional KV cache,
@@ -86,6 +112,28 @@ class EmulatedGraphBackend(GraphBackend):
             _copy_into(out, fn())
 
         return replay, out
+
+
+def unowned(value: Any) -> Any:
+    """`value` with every tensor replaced by an alias of its memory that does not keep the
+    memory allocated (what vLLM's weak_ref_tensors does, built from torch's non-owning storage
+    constructor, which Inductor's CUDA graph trees use the same way)."""
+    if isinstance(value, (tuple, list)):
+        return type(value)(unowned(v) for v in value)
+    if not isinstance(value, torch.Tensor) or value.layout is not torch.strided:
+        return value
+    storage = value.untyped_storage()
+    alias = torch._C._construct_storage_from_data_pointer(
+        storage.data_ptr(), value.device, storage.nbytes()
+    )
+    empty = torch.empty(0, dtype=value.dtype, device=value.device)
+    return empty.set_(alias, value.storage_offset(), value.shape, value.stride())
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    return [value] if isinstance(value, torch.Tensor) else []
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -113,7 +161,7 @@ class FullGraphs:
 
     def capture(self, size: int, fn: Callable[[], torch.Tensor]) -> None:
         replay, out = self.backend.capture(fn)
-        self.graphs[size] = _Captured(replay, (), out)
+        self.graphs[size] = _Captured(replay, (), unowned(out))
 
     def has(self, size: int) -> bool:
         return size in self.graphs
@@ -135,15 +183,20 @@ class RuntimeState:
 
 @dataclass
 class PiecewiseGraphs:
-    """Per (piece, size) graphs. A piece's inputs are the previous piece's static outputs,
-    persistent buffers, weights, or a splitting op's fresh output: whatever does not sit at the
-    captured address is copied there before the replay."""
+    """Per (piece, size) graphs. A piece's inputs are earlier pieces' outputs (in the pool, held
+    unowned), persistent buffers, weights, KV caches and the attention outputs that an earlier
+    piece allocated and the eager attention op filled: all at their captured addresses. An
+    input that does not sit there (a splitting op that returns a fresh tensor) is copied there
+    before the replay, and counted: kiln's attention ops write into their given output, so a
+    step copies nothing."""
 
     backend: GraphBackend
     state: RuntimeState = field(default_factory=RuntimeState)
     graphs: dict[tuple[str, int], _Captured] = field(default_factory=dict)
     sizes: set[int] = field(default_factory=set)
-    copies: int = 0  # inputs copied to their captured address (splitting-op outputs)
+    copies: int = 0  # inputs copied to their captured address
+    # data pointers of the captured outputs: the pool memory that inputs may alias
+    pool_outputs: set[int] = field(default_factory=set)
 
     def call(self, name: str, fn: Callable[..., Any], args: Sequence[Any]) -> Any:
         st = self.state
@@ -151,9 +204,7 @@ class PiecewiseGraphs:
             return fn(*args)
         key = (name, st.size)
         if st.capturing and key not in self.graphs:
-            replay, out = self.backend.capture(lambda: fn(*args))
-            self.graphs[key] = _Captured(replay, tuple(args), out)
-            return out
+            return self._capture(key, fn, args)
         g = self.graphs[key]
         for static, arg in zip(g.inputs, args):
             if _moved(static, arg):
@@ -162,8 +213,31 @@ class PiecewiseGraphs:
         g.replay()
         return g.outputs
 
+    def _capture(self, key: tuple[str, int], fn: Callable[..., Any], args: Sequence[Any]) -> Any:
+        """Returns the owning outputs, which the rest of the capture's forward uses and then
+        drops (back to the pool); the graph keeps unowned aliases. Inputs that are earlier
+        graphs' outputs are kept unowned too; anything else (a fresh splitting-op output) is
+        held, as the address a later replay copies to."""
+        replay, out = self.backend.capture(lambda: fn(*args))
+        inputs = tuple(
+            unowned(a) if isinstance(a, torch.Tensor) and _ptr(a) in self.pool_outputs else a
+            for a in args
+        )
+        self.graphs[key] = _Captured(replay, inputs, unowned(out))
+        self.pool_outputs.update(_ptr(t) for t in _tensors(out))
+        return out
+
     def has(self, size: int) -> bool:
         return size in self.sizes
+
+    def clear(self) -> None:
+        self.graphs.clear()
+        self.sizes.clear()
+        self.pool_outputs.clear()
+
+
+def _ptr(t: torch.Tensor) -> int | None:
+    return t.data_ptr() if t.layout is torch.strided else None
 
 
 def _moved(static: Any, arg: Any) -> bool:
