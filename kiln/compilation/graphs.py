@@ -6,7 +6,7 @@ non-owning aliases (`unowned`): when a capture's forward ends, its tensors go ba
 and the next capture (the next smaller size) reuses that memory. So the graphs of every size
 share one pool as large as the largest size's, which is what boot measures before sizing the
 KV cache; held strongly, each (piece, size) would keep its outputs, and the pool would grow with
-the sum of the ladder (about 30x the largest size for vLLM's 67-size ladder). Sharing is safe
+the sum of the ladder (32x the largest size for vLLM's 67-size ladder). Sharing is safe
 because one step replays one size's graphs, in capture order, and uses the output before the
 next step replays anything.
 
@@ -130,10 +130,12 @@ def unowned(value: Any) -> Any:
     return empty.set_(alias, value.storage_offset(), value.shape, value.stride())
 
 
-def _tensors(value: Any) -> list[torch.Tensor]:
+def _strided(value: Any) -> list[torch.Tensor]:
+    """The tensors in `value` that have memory to point at (not prepacked weights)."""
     if isinstance(value, (tuple, list)):
-        return [t for v in value for t in _tensors(v)]
-    return [value] if isinstance(value, torch.Tensor) else []
+        return [t for v in value for t in _strided(v)]
+    is_strided = isinstance(value, torch.Tensor) and value.layout is torch.strided
+    return [value] if is_strided else []
 
 
 def _copy_into(dst: Any, src: Any) -> None:
@@ -219,13 +221,13 @@ class PiecewiseGraphs:
         graphs' outputs are kept unowned too; anything else (a fresh splitting-op output) is
         held, as the address a later replay copies to."""
         replay, out = self.backend.capture(lambda: fn(*args))
-        inputs = tuple(
-            unowned(a) if isinstance(a, torch.Tensor) and _ptr(a) in self.pool_outputs else a
-            for a in args
-        )
+        inputs = tuple(unowned(a) if self._in_pool(a) else a for a in args)
         self.graphs[key] = _Captured(replay, inputs, unowned(out))
-        self.pool_outputs.update(_ptr(t) for t in _tensors(out))
+        self.pool_outputs.update(t.data_ptr() for t in _strided(out))
         return out
+
+    def _in_pool(self, arg: Any) -> bool:
+        return any(t.data_ptr() in self.pool_outputs for t in _strided(arg))
 
     def has(self, size: int) -> bool:
         return size in self.sizes
@@ -234,10 +236,6 @@ class PiecewiseGraphs:
         self.graphs.clear()
         self.sizes.clear()
         self.pool_outputs.clear()
-
-
-def _ptr(t: torch.Tensor) -> int | None:
-    return t.data_ptr() if t.layout is torch.strided else None
 
 
 def _moved(static: Any, arg: Any) -> bool:
