@@ -192,9 +192,8 @@ def test_cuda_graphs_of_every_size_share_one_pool(wide_model, wide_engine):
     sizes = runner.capture_sizes(RuntimeMode.PIECEWISE)
     unshared = largest * sum(sizes) / max(sizes)
     assert largest > 0 and ladder < unshared / 4, (largest, ladder, unshared)
-    eager = _engine(
-        wide_model, "float32", CompilationConfig(mode=0, cudagraph_mode="NONE"), kv=None
-    )
+    eager_config = CompilationConfig(mode=0, cudagraph_mode="NONE")
+    eager = _engine(wide_model, "float32", eager_config, kv=None, max_num_batched_tokens=512)
     ref, ref_logits = run_schedule(eager, _workload(), record_logits=True)
     finals, logits = run_schedule(wide_engine, _workload(), record_logits=True)
     for rid in ref:
