@@ -33,18 +33,20 @@ from kiln.tokenizer import word_level_tokenizer
 GRAPH_MODES = ["FULL", "PIECEWISE", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE", "NONE"]
 
 
-def random_qwen3_0_6b(dtype: str) -> str:
-    """A random-weight model with Qwen3-0.6B's shapes (no download), saved as an HF directory."""
+def random_qwen3_0_6b(dtype: str, num_layers: int = 28) -> str:
+    """A random-weight model with Qwen3-0.6B's shapes (no download), saved as an HF directory;
+    fewer layers for tests that need its widths only."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    path = os.path.join(tempfile.gettempdir(), f"kiln-qwen3-0.6b-random-{dtype}")
+    name = f"kiln-qwen3-0.6b-random-{dtype}" + ("" if num_layers == 28 else f"-{num_layers}l")
+    path = os.path.join(tempfile.gettempdir(), name)
     if os.path.isdir(path):
         return path
     cfg = Qwen3Config(
         vocab_size=151936,
         hidden_size=1024,
         intermediate_size=3072,
-        num_hidden_layers=28,
+        num_hidden_layers=num_layers,
         num_attention_heads=16,
         num_key_value_heads=8,
         head_dim=128,

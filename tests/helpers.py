@@ -3,7 +3,10 @@ logits each sampled token came from."""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections import defaultdict
+from types import ModuleType
 
 import torch
 
@@ -71,3 +74,13 @@ def run_schedule(
         step += 1
     engine.logits_observer = None
     return finals, logits
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """A script of benchmarks/ (not a package) as a module."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "benchmarks", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

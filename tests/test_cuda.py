@@ -7,9 +7,6 @@ every capture size sharing one pool (the ladder costs about what its largest siz
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -19,7 +16,7 @@ from kiln.compilation import CompilationConfig
 from kiln.compilation.plan import RuntimeMode
 from kiln.config import CacheConfig, EngineConfig, SchedulerConfig
 from kiln.engine import LLMEngine
-from tests.helpers import run_schedule
+from tests.helpers import load_benchmark, run_schedule
 
 pytestmark = pytest.mark.cuda
 
@@ -138,26 +135,10 @@ def test_cuda_steady_decode_has_no_graph_misses(tiny_models, graph_mode):
 
 
 @pytest.fixture(scope="module")
-def wide_model(tmp_path_factory, tokenizer_dir) -> str:
+def wide_model() -> str:
     """Qwen3-0.6B's widths in two layers: wide enough that graph memory is tens of MB, far
     above the allocator's 2 MB segments, so that how it scales with the ladder shows."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    path = str(tmp_path_factory.mktemp("wide"))
-    cfg = Qwen3Config(
-        vocab_size=49152,
-        hidden_size=1024,
-        intermediate_size=3072,
-        num_hidden_layers=2,
-        num_attention_heads=16,
-        num_key_value_heads=8,
-        head_dim=128,
-        max_position_embeddings=4096,
-    )
-    Qwen3ForCausalLM(cfg).save_pretrained(path)
-    for name in os.listdir(tokenizer_dir):
-        shutil.copy(os.path.join(tokenizer_dir, name), path)
-    return path
+    return load_benchmark("graph_modes").random_qwen3_0_6b("float32", num_layers=2)
 
 
 @pytest.fixture(scope="module")

@@ -3,24 +3,17 @@ every configuration each round, and a round's prompts never hit the prefix cache
 earlier round of the same engine filled (a hit would inflate prefill throughput)."""
 
 import argparse
-import importlib.util
 import json
-import os
 
 import pytest
 
 from kiln import LLM
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def graph_modes():
-    path = os.path.join(ROOT, "benchmarks", "graph_modes.py")
-    spec = importlib.util.spec_from_file_location("graph_modes_bench", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("graph_modes")
 
 
 def test_a_later_round_hits_no_prefix_cache(graph_modes, tiny_models):
