@@ -279,12 +279,12 @@ class ModelRunner:
 
     def _capture_full(self, size: int) -> None:
         run = self._padded_forward(size)
-        self.full.backend.warm_up(run)  # this size's first call (autotuning, workspaces)
+        self.graph_backend.warm_up(run)  # this size's first call (autotuning, workspaces)
         self.full.capture(size, run)
 
     def _capture_piecewise(self, size: int) -> int:
         run = self._padded_forward(size)
-        self.piecewise.backend.warm_up(run)
+        self.graph_backend.warm_up(run)
         before = len(self.piecewise.graphs)
         self.piecewise.state = RuntimeState(RuntimeMode.PIECEWISE, size, capturing=True)
         try:
