@@ -17,18 +17,27 @@ class InputBuffers:
         self.input_ids = buf(max_tokens, torch.long)
         self.positions = buf(max_tokens, torch.long)
         self.slot_mapping = buf(max_tokens, torch.long)
-        self.query_start_loc = buf(max_seqs + 1, torch.int32)
+        # two past the requests: the end of the last one, then of the padding rows after it
+        self.query_start_loc = buf(max_seqs + 2, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.token_kv_lens = buf(max_tokens, torch.int32)
         self.token_table_offsets = buf(max_tokens, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
 
-    def pad(self, start: int, end: int) -> None:
-        """Rows [start, end) become padding for a graph of `end` tokens: they write no KV slot
-        and see no keys, so they cannot change the real rows' outputs."""
+    def fill_query_starts(self, starts: list[int]) -> torch.Tensor:
+        """The requests' offsets, and their token count in every entry after them (a batch
+        without padding); returns the [B + 1] head."""
+        tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
+        return self.fill(self.query_start_loc, starts + tail)[: len(starts)]
+
+    def pad(self, start: int, end: int, num_seqs: int) -> None:
+        """Rows [start, end) after the tokens of `num_seqs` requests become padding for a graph
+        of `end` tokens: they write no KV slot and see no keys, so they cannot change the real
+        rows' outputs."""
         if end <= start:
             return
+        self.query_start_loc[num_seqs + 1 :] = end
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.slot_mapping[start:end] = -1

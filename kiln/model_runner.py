@@ -133,7 +133,7 @@ class ModelRunner:
         query_lens = [batch.num_tokens[i] for i in order]
         meta = AttentionMetadata(
             slot_mapping=b.fill(b.slot_mapping, slots),
-            query_start_loc=b.fill(b.query_start_loc, starts),
+            query_start_loc=b.fill_query_starts(starts),
             seq_lens=b.fill(b.seq_lens, lens),
             block_tables=b.fill_table(tables, width),
             num_actual_tokens=len(ids),
@@ -142,6 +142,7 @@ class ModelRunner:
             token_kv_lens=b.fill(b.token_kv_lens, kv_lens),
             token_table_offsets=b.fill(b.token_table_offsets, offsets),
             block_tables_flat=b.block_tables,
+            query_start_loc_padded=b.query_start_loc,
         )
         meta = self.backend.build_metadata(meta, bs)
         return ModelInputs(
@@ -162,7 +163,8 @@ class ModelRunner:
         if mode is RuntimeMode.NONE:
             return self._forward(inputs.input_ids, inputs.positions, inputs.meta)
         size = wanted.descriptor.num_tokens
-        self.buffers.pad(inputs.meta.num_actual_tokens, size)
+        meta = inputs.meta
+        self.buffers.pad(meta.num_actual_tokens, size, meta.query_start_loc.numel() - 1)
         if mode is RuntimeMode.FULL:
             return self.full.run(size)
         return self._run_piecewise(inputs.meta, size)
@@ -255,8 +257,8 @@ class ModelRunner:
         """A batch of `size` padding tokens and no request: what graphs are captured on (their
         kernels depend on shapes only; the rows write nothing and read no key)."""
         b = self.buffers
-        b.pad(0, size)
         b.query_start_loc[:1] = 0
+        b.pad(0, size, 0)
         meta = AttentionMetadata(
             slot_mapping=b.slot_mapping[:size],
             query_start_loc=b.query_start_loc[:1],
@@ -268,6 +270,7 @@ class ModelRunner:
             token_kv_lens=b.token_kv_lens[:size],
             token_table_offsets=b.token_table_offsets[:size],
             block_tables_flat=b.block_tables,
+            query_start_loc_padded=b.query_start_loc,
         )
         return self.backend.build_metadata(meta, self.block_size)
 

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# For a session with a CUDA GPU: every CUDA-marked test, the Triton tests, then the graph-mode
-# benchmark on a random-weight model with Qwen3-0.6B's shapes in bf16; its table prints last.
+# For a session with a CUDA GPU: every CUDA-marked test, the Triton tests, the attention op alone
+# per backend, then the graph-mode benchmark on a random-weight model with Qwen3-0.6B's shapes in
+# bf16; its table prints last.
 #
 # Sized for the device budget (15 minutes per session, machine start included): the parts have
-# their own deadlines, 7 minutes together, which leaves time for one rerun of a part. Each part
+# their own deadlines, under 8 minutes together, which leaves time for one rerun of a part. Each part
 # logs under $OUT (what the device tool brings back), so a part cut at its deadline still
 # reports; the benchmark prints and saves each row as it is measured, FULL and PIECEWISE first.
 # Runs against the machine's preinstalled torch (no install): PYTHONPATH=. puts kiln on the path.
 #
 #   bash scripts/gpu_check.sh                 # everything
-#   bash scripts/gpu_check.sh bench           # one part: tests | triton | bench
+#   bash scripts/gpu_check.sh bench           # one part: tests | triton | attention | bench
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -29,6 +30,11 @@ fi
 if [[ $PART == all || $PART == triton ]]; then
   # the Triton kernels on the GPU (interpreter tests too) and compiled for sm_90
   timeout 45 python -m pytest -q tests/test_triton_backend.py 2>&1 | tee "$OUT/triton_tests.log" | tail -4
+fi
+if [[ $PART == all || $PART == attention ]]; then
+  # the Triton kernel against the pure-PyTorch backend and fused SDPA on contiguous keys
+  timeout 40 python benchmarks/attention_kernels.py --iters 30 \
+    --output "$OUT/attention_kernels.json" 2>&1 | tee "$OUT/attention_kernels.log" | tail -8
 fi
 if [[ $PART == all || $PART == bench ]]; then
   timeout 175 python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \

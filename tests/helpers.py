@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from collections import defaultdict
 from types import ModuleType
 
@@ -82,5 +83,6 @@ def load_benchmark(name: str) -> ModuleType:
     path = os.path.join(root, "benchmarks", f"{name}.py")
     spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # what dataclasses look their module up in
     spec.loader.exec_module(module)
     return module

@@ -9,27 +9,32 @@ from __future__ import annotations
 import sys
 
 import triton
+import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.attention import triton_backend
 
+# a head dim that is not a power of two exercises the masks; 3 heads per KV head, an idle row
 CONSTANTS = {
-    "_write_kv_kernel": {"D": 128, "BLOCK_D": 128},
-    # a head dim that is not a power of two exercises the masks
-    "_paged_attention_kernel": {"GROUP": 2, "D": 96, "BLOCK_D": 128, "BLOCK_SIZE": 16},
-}
+    "GROUP": 3, "D": 96, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 5, "BLOCK_M": 16,
+    "BLOCK_N": triton_backend.KEY_TILE,
+}  # fmt: skip
 
 
 def argument_types(dtype: str) -> dict[str, str]:
     tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr")
     types = {name: f"*{dtype}" for name in tensors}
     types |= {"slot_ptr": "*i64", "kv_len_ptr": "*i32", "table_offset_ptr": "*i32"}
-    return types | {"tables_ptr": "*i32", "scale": "fp32"}  # the rest are i32 strides
+    types |= {"tables_ptr": "*i32", "qsl_ptr": "*i32"}
+    return types | {"scale": "fp32"}  # the rest (strides, n_slots) are i32
 
 
 def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
-    constants = CONSTANTS[kernel.__name__]
+    # the precision the launcher picks: IEEE for float32 (no TF32 rounding of the scores)
+    dot_dtype = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
+    precision = "ieee" if dtype == "fp32" else "tf32"
+    constants = CONSTANTS | {"DOT_DTYPE": dot_dtype, "PRECISION": precision}
     types = argument_types(dtype)
     signature = {
         name: "constexpr" if name in constants else types.get(name, "i32")
@@ -46,9 +51,9 @@ def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
 
 def main() -> None:
     dtype = sys.argv[1]
-    for kernel in (triton_backend._write_kv_kernel, triton_backend._paged_attention_kernel):
-        compile_for_hopper(kernel, dtype)
-        print(kernel.__name__, "ok")
+    kernel = triton_backend._paged_attention_kernel
+    compile_for_hopper(kernel, dtype)
+    print(kernel.__name__, "ok")
 
 
 if __name__ == "__main__":

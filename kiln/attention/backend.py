@@ -37,6 +37,9 @@ class AttentionMetadata:
     token_kv_lens: torch.Tensor | None = None  # [T] int32
     token_table_offsets: torch.Tensor | None = None  # [T] int32
     block_tables_flat: torch.Tensor | None = None  # the whole persistent block-table buffer
+    # The whole persistent query-start buffer [max_seqs + 2]: the requests' offsets, then the
+    # (padded) token count in every later entry, so padding rows form one last sequence.
+    query_start_loc_padded: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -1,0 +1,232 @@
+"""The attention op alone, per backend, on one batch shape at a time: decode batches, a fresh and
+a chunked prefill, and a mixed batch, with Qwen3-0.6B's heads (16 query heads, 8 KV heads of
+128) in a paged cache of 16-token blocks. Each backend's time includes writing the step's keys
+and values into the cache; the `sdpa` column is PyTorch's fused attention on contiguous keys
+(no paging, no cache write), the bound a paged kernel is measured against. Before timing, the
+Triton op's output is checked against the pure-PyTorch backend's on the same inputs.
+
+    python benchmarks/attention_kernels.py                 # CUDA: triton, torch and sdpa
+    python benchmarks/attention_kernels.py --tiny          # CPU smoke run (triton interpreted)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # before anything imports triton, which reads it then
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from kiln.attention.backend import AttentionMetadata
+from kiln.attention.torch_backend import TorchPagedAttentionBackend
+
+BLOCK_SIZE = 16
+
+
+@dataclass
+class Case:
+    name: str
+    query_lens: list[int]  # decodes (1) first, as the runner lays batches out
+    contexts: list[int]  # keys each request has in the cache before the step
+
+
+def cases(tiny: bool) -> list[Case]:
+    if tiny:
+        return [Case("decode b=4, ctx 40", [1] * 4, [40] * 4), Case("prefill 24", [24], [0])]
+    return [
+        Case("decode b=1, ctx 1024", [1], [1024]),
+        Case("decode b=32, ctx 1024", [1] * 32, [1024] * 32),
+        Case("decode b=128, ctx 1024", [1] * 128, [1024] * 128),
+        Case("prefill 512", [512], [0]),
+        Case("prefill 512, ctx 1536", [512], [1536]),
+        Case("mixed: 32 decodes + prefill 480", [1] * 32 + [480], [1024] * 32 + [0]),
+    ]
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+    context_keys: list[tuple[torch.Tensor, torch.Tensor]]  # per request, contiguous [L, Hkv, D]
+
+
+def slots_of(table: list[int], positions: range) -> list[int]:
+    return [table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in positions]
+
+
+def build(case: Case, heads: int, kv_heads: int, head_dim: int, dtype, device) -> Batch:
+    """The case's batch with each request's blocks scattered over the cache, and the metadata
+    both backends read (the Triton one's per-token views too)."""
+    widths = [-(-(c + n) // BLOCK_SIZE) for c, n in zip(case.contexts, case.query_lens)]
+    width, num_blocks = max(widths), sum(widths)
+    perm = torch.randperm(num_blocks).tolist()
+    tables = [perm[sum(widths[:i]) : sum(widths[: i + 1])] for i in range(len(widths))]
+    slots, kv_lens, offsets, starts = [], [], [], [0]
+    for row, (n, first, table) in enumerate(zip(case.query_lens, case.contexts, tables)):
+        slots += slots_of(table, range(first, first + n))
+        kv_lens += range(first + 1, first + n + 1)
+        offsets += [row * width] * n
+        starts.append(starts[-1] + n)
+    t = starts[-1]
+
+    def ints(values, dtype=torch.int32):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    flat = ints([b for table in tables for b in (*table, *[0] * (width - len(table)))])
+    cache_shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(cache_shape, dtype=dtype, device=device) for _ in range(2))
+    meta = AttentionMetadata(
+        slot_mapping=ints(slots, torch.long),
+        query_start_loc=ints(starts),
+        seq_lens=ints([c + n for c, n in zip(case.contexts, case.query_lens)]),
+        block_tables=flat.view(len(tables), width),
+        num_actual_tokens=t,
+        num_decodes=sum(1 for n in case.query_lens if n == 1),
+        max_seq_len=max(c + n for c, n in zip(case.contexts, case.query_lens)),
+        token_kv_lens=ints(kv_lens),
+        token_table_offsets=ints(offsets),
+        block_tables_flat=flat,
+        query_start_loc_padded=ints([*starts, t]),  # no padding rows: one slot past the end
+    )
+    q = torch.randn(t, heads, head_dim, dtype=dtype, device=device)
+    k, v = (torch.randn(t, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
+    flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
+    context_keys = []
+    for i, (n, first, table) in enumerate(zip(case.query_lens, case.contexts, tables)):
+        cached = torch.tensor(slots_of(table, range(first)), dtype=torch.long, device=device)
+        rows = slice(starts[i], starts[i] + n)
+        context_keys.append(
+            (torch.cat([flat_k[cached], k[rows]]), torch.cat([flat_v[cached], v[rows]]))
+        )
+    return Batch(q, k, v, k_cache, v_cache, meta, context_keys)
+
+
+def sdpa_reference(batch: Batch, case: Case) -> torch.Tensor:
+    """Fused attention on contiguous keys: decodes as one batched call (equal contexts), each
+    prefill chunk as its own causal call."""
+    q, outs, start = batch.q, [], 0
+    decodes = [i for i, n in enumerate(case.query_lens) if n == 1]
+    if decodes:
+        keys = torch.stack([batch.context_keys[i][0] for i in decodes]).transpose(1, 2)
+        values = torch.stack([batch.context_keys[i][1] for i in decodes]).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            q[: len(decodes), :, None], keys, values, enable_gqa=True
+        )
+        outs.append(out.reshape(len(decodes), -1))
+        start = len(decodes)
+    for i in range(len(decodes), len(case.query_lens)):
+        n, ctx = case.query_lens[i], case.contexts[i]
+        keys, values = (x.transpose(0, 1)[None] for x in batch.context_keys[i])
+        mask = None
+        if ctx:
+            mask = torch.ones(n, ctx + n, dtype=torch.bool, device=q.device).tril(ctx)
+        out = F.scaled_dot_product_attention(
+            q[start : start + n].transpose(0, 1)[None], keys, values,
+            attn_mask=mask, is_causal=mask is None, enable_gqa=True,
+        )  # fmt: skip
+        outs.append(out[0].transpose(0, 1).reshape(n, -1))
+        start += n
+    return torch.cat(outs)
+
+
+def ops(batch: Batch, case: Case, with_triton: bool) -> tuple[dict, torch.Tensor]:
+    """Each backend's call on the batch (writing into one output), and that output."""
+    torch_backend = TorchPagedAttentionBackend(batch.q.dtype)
+    torch_meta = torch_backend.build_metadata(batch.meta, BLOCK_SIZE)
+    head_dim = batch.q.shape[2]
+    out = batch.q.new_empty(batch.q.shape[0], batch.q.shape[1] * head_dim)
+
+    def run(backend, meta):
+        args = (batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, out, meta)
+        return lambda: backend.forward(*args, head_dim**-0.5)
+
+    found = {"torch": run(torch_backend, torch_meta), "sdpa": lambda: sdpa_reference(batch, case)}
+    if with_triton:
+        from kiln.attention.triton_backend import TritonPagedAttentionBackend
+
+        found["triton"] = run(TritonPagedAttentionBackend(), batch.meta)
+    return found, out
+
+
+def time_us(fn, iters: int, device: torch.device) -> float:
+    """Median microseconds per call, after warm-up calls (compilation, autotuning)."""
+    for _ in range(3):
+        fn()
+    samples = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) * 1e6)
+    return statistics.median(samples)
+
+
+def measure(case: Case, args, device: torch.device) -> dict:
+    dtype = getattr(torch, args.dtype)
+    batch = build(case, 16, 8, 128, dtype, device)
+    with_triton = device.type == "cuda" or args.tiny
+    fns, out = ops(batch, case, with_triton)
+    row = {"case": case.name, "tokens": batch.q.shape[0]}
+    fns["torch"]()
+    reference = out.clone()
+    if with_triton:
+        out.fill_(float("nan"))
+        fns["triton"]()
+        row["max_abs_diff"] = (out - reference).abs().max().item()
+    for name, fn in fns.items():
+        row[f"{name}_us"] = time_us(fn, args.iters, device)
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| case | tokens | triton us | torch us | sdpa us | triton/sdpa | torch/triton | diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        tri = r.get("triton_us")
+        cells = [
+            r["case"], str(r["tokens"]), f"{tri:.1f}" if tri else "-", f"{r['torch_us']:.1f}",
+            f"{r['sdpa_us']:.1f}", f"{tri / r['sdpa_us']:.2f}" if tri else "-",
+            f"{r['torch_us'] / tri:.2f}" if tri else "-",
+            f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-",
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--iters", type=int, default=50)
+    parser.add_argument("--tiny", action="store_true", help="small shapes, for a CPU smoke run")
+    parser.add_argument("--output", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    rows = []
+    for case in cases(args.tiny):
+        rows.append(measure(case, args, device))
+        print(json.dumps(rows[-1]), flush=True)
+    print(table(rows))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(rows, f, indent=1)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
