@@ -17,6 +17,7 @@ from kiln.attention.backend import AttentionMetadata
 from kiln.attention.selector import select_backend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend, torch_paged_attention
 from kiln.errors import ConfigError
+from kiln.input_buffers import InputBuffers
 from tests.helpers import load_benchmark, make_engine
 from tests.test_parity import _check, _prompts, _run
 
@@ -109,6 +110,40 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
     torch.testing.assert_close(out[:t].float(), ref.float(), rtol=tol, atol=tol)
     assert out[t:].abs().max() == 0  # padding rows: zeros
     torch.testing.assert_close(ours_cache, theirs, rtol=0, atol=0)  # and no KV written
+
+
+def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
+    """The query-start buffer as the runner fills it (the batch's offsets, then its token count)
+    and pads it for a graph (the graph's size past the last request): the padded launch writes
+    every row, zeros for padding, and the real rows as the launch without padding does."""
+    from kiln.attention.triton_backend import triton_paged_attention
+
+    q_lens, firsts = BATCH
+    slots, kv_lens, offsets, starts, _, flat = _batch(16, q_lens, firsts, 32)
+    t, size, max_seqs = len(slots), len(slots) + 5, 8
+    b = InputBuffers(64, max_seqs, 8, DEVICE)
+    assert b.fill_query_starts(starts).tolist() == starts
+    assert b.query_start_loc.tolist() == starts + [t] * (max_seqs + 2 - len(starts))
+    for buffer, values in [
+        (b.slot_mapping, slots), (b.token_kv_lens, kv_lens), (b.token_table_offsets, offsets)
+    ]:  # fmt: skip
+        b.fill(buffer, values)
+    b.pad(t, size, len(starts) - 1)
+    assert b.query_start_loc.tolist() == starts + [size] * (max_seqs + 2 - len(starts))
+    g = torch.Generator().manual_seed(1)
+    cache = torch.randn(2, 32, 16, 2, 16, generator=g).to(DEVICE)
+    q, k, v = (torch.randn(size, n, 16, generator=g).to(DEVICE) for n in (4, 2, 2))
+    k[t:], v[t:] = float("nan"), float("nan")
+    unpadded = _triton_attention(
+        q[:t], k[:t], v[:t], cache.clone(), slots, kv_lens, offsets, flat, starts, max_seqs, 0
+    )[0]
+    out = torch.full((size, 64), float("nan"), device=DEVICE)
+    triton_paged_attention(
+        q, k, v, cache[0], cache[1], out, b.slot_mapping[:size], b.token_kv_lens[:size],
+        b.token_table_offsets[:size], flat.to(DEVICE), b.query_start_loc, 0.25,
+    )  # fmt: skip
+    torch.testing.assert_close(out[:t].cpu(), unpadded, rtol=0, atol=0)
+    assert out[t:].abs().max() == 0
 
 
 def test_attention_benchmark_checks_triton_against_torch():
