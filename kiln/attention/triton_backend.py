@@ -51,14 +51,41 @@ def _find_sequence(qsl_ptr, q_block, n_slots, BLOCK_Q: tl.constexpr):
 
 
 @triton.jit
-def _online_softmax_step(scores, values, m_i, l_i, acc, PRECISION: tl.constexpr):
+def _attend_tile(
+    q, k_ptr, v_ptr, key_offsets, kmask, pos, n_keys, d, dmask, scale, m_i, l_i, acc,
+    DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """One tile of keys (at k_ptr / v_ptr + key_offsets, at positions `pos`) into the query
+    rows' online softmax; a row sees the keys before its own n_keys."""
+    tmask = kmask[:, None] & dmask[None, :]
+    tile = key_offsets[:, None] + d[None, :]
+    keys = tl.load(k_ptr + tile, mask=tmask, other=0.0).to(DOT_DTYPE)
+    scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
+    visible = kmask[None, :] & (pos[None, :] < n_keys[:, None])
+    scores = tl.where(visible, scores, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     # rows that have seen no key yet keep m = -inf; shifting by 0 keeps their p at 0, not NaN
     shift = tl.where(m_new == float("-inf"), 0.0, m_new)
     p = tl.exp(scores - shift[:, None])
     alpha = tl.exp(m_i - shift)
-    pv = tl.dot(p.to(values.dtype), values, input_precision=PRECISION)
+    values = tl.load(v_ptr + tile, mask=tmask, other=0.0).to(DOT_DTYPE)
+    pv = tl.dot(p.to(DOT_DTYPE), values, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _write_kv(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, rows, row_ok, first_head, hkv, d, dmask,
+    stride_kt, stride_kh, stride_slot, stride_ch,
+):  # fmt: skip
+    """The block's tokens into the cache at their slots, once each (the rows of the group's
+    first head); padding rows (slot -1) write nothing."""
+    slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
+    mask = (row_ok & first_head & (slots >= 0))[:, None] & dmask[None, :]
+    src = rows[:, None] * stride_kt + hkv * stride_kh + d[None, :]
+    dst = slots[:, None] * stride_slot + hkv * stride_ch + d[None, :]
+    tl.store(k_cache_ptr + dst, tl.load(k_ptr + src, mask=mask), mask=mask)
+    tl.store(v_cache_ptr + dst, tl.load(v_ptr + src, mask=mask), mask=mask)
 
 
 @triton.jit
@@ -128,15 +155,10 @@ def _paged_attention_kernel(
         kmask = pos < context
         block = tl.load(tables_ptr + table + pos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
         slot = block * stride_block + (pos % BLOCK_SIZE) * stride_slot + hkv * stride_ch
-        tmask = kmask[:, None] & dmask[None, :]
-        keys = tl.load(k_cache_ptr + slot[:, None] + d[None, :], mask=tmask, other=0.0)
-        keys = keys.to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
-        visible = kmask[None, :] & (pos[None, :] < n_keys[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        values = tl.load(v_cache_ptr + slot[:, None] + d[None, :], mask=tmask, other=0.0)
-        values = values.to(DOT_DTYPE)
-        m_i, l_i, acc = _online_softmax_step(scores, values, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_tile(
+            q, k_cache_ptr, v_cache_ptr, slot, kmask, pos, n_keys, d, dmask, scale, m_i, l_i,
+            acc, DOT_DTYPE, PRECISION,
+        )  # fmt: skip
         j += BLOCK_N
     # causal: the block's last row sees the chunk up to itself
     # (the padding rows' sequence sees no key: it reads none of their k and v)
@@ -144,27 +166,19 @@ def _paged_attention_kernel(
     j = seq_start
     while j < chunk_end:
         key_rows = j + n
-        kmask = key_rows < chunk_end
-        tile = key_rows[:, None] * stride_kt + hkv * stride_kh + d[None, :]
-        tmask = kmask[:, None] & dmask[None, :]
-        keys = tl.load(k_ptr + tile, mask=tmask, other=0.0).to(DOT_DTYPE)
-        scores = tl.dot(q, tl.trans(keys), input_precision=PRECISION) * scale
-        pos = context + key_rows - seq_start
-        visible = kmask[None, :] & (pos[None, :] < n_keys[:, None])
-        scores = tl.where(visible, scores, float("-inf"))
-        values = tl.load(v_ptr + tile, mask=tmask, other=0.0).to(DOT_DTYPE)
-        m_i, l_i, acc = _online_softmax_step(scores, values, m_i, l_i, acc, PRECISION)
+        m_i, l_i, acc = _attend_tile(
+            q, k_ptr, v_ptr, key_rows * stride_kt + hkv * stride_kh, key_rows < chunk_end,
+            context + key_rows - seq_start, n_keys, d, dmask, scale, m_i, l_i, acc, DOT_DTYPE,
+            PRECISION,
+        )  # fmt: skip
         j += BLOCK_N
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding rows (0 keys) write zeros
     dst = out_ptr + rows[:, None] * stride_ot + heads[:, None] * D + d[None, :]
     tl.store(dst, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & dmask[None, :])
-    # this block's tokens into the cache, once each (the row of the group's first head)
-    slots = tl.load(slot_ptr + rows, mask=row_ok, other=-1)
-    wmask = (row_ok & (m % GROUP == 0) & (slots >= 0))[:, None] & dmask[None, :]
-    src = rows[:, None] * stride_kt + hkv * stride_kh + d[None, :]
-    dst_kv = slots[:, None] * stride_slot + hkv * stride_ch + d[None, :]
-    tl.store(k_cache_ptr + dst_kv, tl.load(k_ptr + src, mask=wmask), mask=wmask)
-    tl.store(v_cache_ptr + dst_kv, tl.load(v_ptr + src, mask=wmask), mask=wmask)
+    _write_kv(
+        k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, rows, row_ok, m % GROUP == 0, hkv, d,
+        dmask, stride_kt, stride_kh, stride_slot, stride_ch,
+    )  # fmt: skip
 
 
 def launch_shape(num_tokens: int, num_heads: int, num_kv_heads: int, num_seq_slots: int):
