@@ -2,8 +2,10 @@
 a chunked prefill, and a mixed batch, with Qwen3-0.6B's heads (16 query heads, 8 KV heads of
 128) in a paged cache of 16-token blocks. Each backend's time includes writing the step's keys
 and values into the cache; the `sdpa` column is PyTorch's fused attention on contiguous keys
-(no paging, no cache write), the bound a paged kernel is measured against. Before timing, the
-Triton op's output is checked against the pure-PyTorch backend's on the same inputs.
+(no paging, no cache write): on a GPU the bound a paged kernel is measured against (on the CPU
+its grouped-query decode is slower than the paged backend's, which packs the heads of a group
+as rows). Before timing, the Triton op's output is checked against the pure-PyTorch backend's
+on the same inputs.
 
     python benchmarks/attention_kernels.py                 # CUDA: triton, torch and sdpa
     python benchmarks/attention_kernels.py --tiny          # CPU smoke run (triton interpreted)"""
@@ -41,6 +43,7 @@ def cases(tiny: bool) -> list[Case]:
         return [Case("decode b=4, ctx 40", [1] * 4, [40] * 4), Case("prefill 24", [24], [0])]
     return [
         Case("decode b=1, ctx 1024", [1], [1024]),
+        Case("decode b=1, ctx 8192", [1], [8192]),  # one program per KV head: split-KV's case
         Case("decode b=32, ctx 1024", [1] * 32, [1024] * 32),
         Case("decode b=128, ctx 1024", [1] * 128, [1024] * 128),
         Case("prefill 512", [512], [0]),
