@@ -181,7 +181,9 @@ def _paged_attention_kernel(
     )  # fmt: skip
 
 
-def launch_shape(num_tokens: int, num_heads: int, num_kv_heads: int, num_seq_slots: int):
+def launch_shape(
+    num_tokens: int, num_heads: int, num_kv_heads: int, num_seq_slots: int
+) -> tuple[int, int, tuple[int, int]]:
     """(BLOCK_M, BLOCK_Q, grid): BLOCK_M rows per program, BLOCK_Q tokens of one sequence times
     the query heads of one KV head (at least 16 rows, what a tensor-core dot needs). The grid
     depends on the token count and the number of sequence slots only, never on the batch."""
