@@ -181,6 +181,12 @@ def _paged_attention_kernel(
     )  # fmt: skip
 
 
+# The CPU interpreter multiplies bfloat16 dot operands' raw bits (triton-lang/triton#11584, "not
+# supported yet"): it gets them in float32, the GPU in their own type. Fixed when triton is
+# imported, so decided once, not per call.
+_INTERPRETED = isinstance(_paged_attention_kernel, InterpretedFunction)
+
+
 def launch_shape(
     num_tokens: int, num_heads: int, num_kv_heads: int, num_seq_slots: int
 ) -> tuple[int, int, tuple[int, int]]:
@@ -219,10 +225,7 @@ def triton_paged_attention(
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     num_seq_slots = min(t, query_start_loc.numel() - 2) + 1  # the requests, then padding
     block_m, block_q, grid = launch_shape(t, h, hkv, num_seq_slots)
-    # The CPU interpreter multiplies bfloat16 dot operands' raw bits (triton-lang/triton#11584,
-    # "not supported yet"): it gets them in float32, the GPU in their own type.
-    interpreted = isinstance(_paged_attention_kernel, InterpretedFunction)
-    dot_dtype = tl.float32 if interpreted else _TRITON_DTYPES[q.dtype]
+    dot_dtype = tl.float32 if _INTERPRETED else _TRITON_DTYPES[q.dtype]
     _paged_attention_kernel[grid](
         q, k, v, k_cache, v_cache, out, slot_mapping, token_kv_lens, token_table_offsets,
         block_tables_flat, query_start_loc, num_seq_slots, scale,
