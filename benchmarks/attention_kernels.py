@@ -5,7 +5,8 @@ and values into the cache; the `sdpa` column is PyTorch's fused attention on con
 (no paging, no cache write): on a GPU the bound a paged kernel is measured against (on the CPU
 its grouped-query decode is slower than the paged backend's, which packs the heads of a group
 as rows). Before timing, the Triton op's output is checked against the pure-PyTorch backend's
-on the same inputs.
+on the same inputs. Where the Triton launcher splits the keys (split-KV, small batches), the
+`unsplit` column times the same launch without the split.
 
     python benchmarks/attention_kernels.py                 # CUDA: triton, torch and sdpa
     python benchmarks/attention_kernels.py --tiny          # CPU smoke run (triton interpreted)"""
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # before anything imports triton, which reads it then
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.attention.backend import AttentionMetadata
+from kiln.attention.backend import AttentionMetadata, AttentionShape
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 
 BLOCK_SIZE = 16
@@ -142,7 +143,9 @@ def sdpa_reference(batch: Batch, case: Case) -> torch.Tensor:
     return torch.cat(outs)
 
 
-def ops(batch: Batch, case: Case, with_triton: bool) -> tuple[dict, torch.Tensor]:
+def ops(
+    batch: Batch, case: Case, with_triton: bool, split_programs: int | None
+) -> tuple[dict, torch.Tensor]:
     """Each backend's call on the batch (writing into one output), and that output."""
     torch_backend = TorchPagedAttentionBackend(batch.q.dtype)
     torch_meta = torch_backend.build_metadata(batch.meta, BLOCK_SIZE)
@@ -157,13 +160,40 @@ def ops(batch: Batch, case: Case, with_triton: bool) -> tuple[dict, torch.Tensor
     if with_triton:
         from kiln.attention.triton_backend import TritonPagedAttentionBackend
 
-        found["triton"] = run(TritonPagedAttentionBackend(), batch.meta)
+        q, k = batch.q, batch.k
+        shape = AttentionShape(q.shape[1], k.shape[1], head_dim)
+        backend = TritonPagedAttentionBackend(shape, split_programs)
+        meta = backend.build_metadata(batch.meta, BLOCK_SIZE)
+        found["triton"] = run(backend, meta)
+        if triton_segments(batch, meta) > 1:  # what the split gains: the same launch unsplit
+            found["unsplit"] = lambda: triton_unsplit(batch, meta, out)
     return found, out
 
 
+def triton_segments(batch: Batch, meta) -> int:
+    """How many segments the Triton launcher splits this batch's keys into."""
+    from kiln.attention.triton_backend import launch_shape
+
+    t, h, _ = batch.q.shape
+    slots = min(t, meta.query_start_loc_padded.numel() - 2) + 1
+    return launch_shape(t, h, batch.k.shape[1], slots, meta.split_programs).segments
+
+
+def triton_unsplit(batch: Batch, meta, out: torch.Tensor) -> None:
+    from kiln.attention.triton_backend import triton_paged_attention
+
+    triton_paged_attention(
+        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, out, meta.slot_mapping,
+        meta.token_kv_lens, meta.token_table_offsets, meta.block_tables_flat,
+        meta.query_start_loc_padded, meta.segment_scratch, meta.segment_tickets,
+        meta.split_programs, batch.q.shape[2] ** -0.5, segments=1,
+    )  # fmt: skip
+
+
 def time_us(fn, iters: int, device: torch.device) -> float:
-    """Median microseconds per call, after warm-up calls (compilation, autotuning)."""
-    for _ in range(3):
+    """Median microseconds per call, after warm-up calls (compilation, autotuning; as many as
+    timed ones, up to 3: a smoke run of 1 is not worth 3 interpreted warm-ups)."""
+    for _ in range(min(3, iters)):
         fn()
     samples = []
     for _ in range(iters):
@@ -181,14 +211,16 @@ def measure(case: Case, args, device: torch.device) -> dict:
     dtype = getattr(torch, args.dtype)
     batch = build(case, 16, 8, 128, dtype, device)
     with_triton = device.type == "cuda" or args.tiny
-    fns, out = ops(batch, case, with_triton)
+    fns, out = ops(batch, case, with_triton, args.split_programs)
     row = {"case": case.name, "tokens": batch.q.shape[0]}
     fns["torch"]()
     reference = out.clone()
-    if with_triton:
-        out.fill_(float("nan"))
-        fns["triton"]()
-        row["max_abs_diff"] = (out - reference).abs().max().item()
+    for name in ("triton", "unsplit"):
+        if name in fns:
+            out.fill_(float("nan"))
+            fns[name]()
+            key = "max_abs_diff" if name == "triton" else "unsplit_max_abs_diff"
+            row[key] = (out - reference).abs().max().item()
     for name, fn in fns.items():
         row[f"{name}_us"] = time_us(fn, args.iters, device)
     return row
@@ -196,13 +228,15 @@ def measure(case: Case, args, device: torch.device) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = [
-        "| case | tokens | triton us | torch us | sdpa us | triton/sdpa | torch/triton | diff |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| case | tokens | triton us | unsplit us | torch us | sdpa us | triton/sdpa "
+        "| torch/triton | diff |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        tri = r.get("triton_us")
+        tri, unsplit = r.get("triton_us"), r.get("unsplit_us")
         cells = [
-            r["case"], str(r["tokens"]), f"{tri:.1f}" if tri else "-", f"{r['torch_us']:.1f}",
+            r["case"], str(r["tokens"]), f"{tri:.1f}" if tri else "-",
+            f"{unsplit:.1f}" if unsplit else "-", f"{r['torch_us']:.1f}",
             f"{r['sdpa_us']:.1f}", f"{tri / r['sdpa_us']:.2f}" if tri else "-",
             f"{r['torch_us'] / tri:.2f}" if tri else "-",
             f"{r['max_abs_diff']:.1e}" if "max_abs_diff" in r else "-",
@@ -216,6 +250,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--iters", type=int, default=50)
     parser.add_argument("--tiny", action="store_true", help="small shapes, for a CPU smoke run")
+    parser.add_argument(
+        "--split-programs", type=int, help="the Triton split-KV launch target (default: the "
+        "device's, two programs per SM; 1 on the CPU, where nothing splits)",
+    )  # fmt: skip
     parser.add_argument("--output", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

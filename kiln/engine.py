@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from kiln.attention import AttentionBackend
+from kiln.attention import AttentionBackend, AttentionShape
 from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
 from kiln.boot import BootPhases
@@ -104,8 +104,13 @@ class LLMEngine:
         self.source = open_model(config.model)
         self.model_config = self.source.config
         self.tokenizer = self.source.load_tokenizer()
+        mc = self.model_config
         self.attn_backend = select_backend(
-            config.attention_backend, self.device, config.cache.block_size, self.dtype
+            config.attention_backend,
+            self.device,
+            config.cache.block_size,
+            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim),
+            self.dtype,
         )
         self.model = self._load_model()
 

@@ -13,8 +13,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.attention.backend import AttentionMetadata
-from kiln.attention.selector import select_backend
+from kiln.attention.backend import AttentionMetadata, AttentionShape
+from kiln.attention.selector import check_triton_runs, select_backend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend, torch_paged_attention
 from kiln.errors import ConfigError
 from kiln.input_buffers import InputBuffers
@@ -22,6 +22,7 @@ from tests.helpers import load_benchmark, make_engine
 from tests.test_parity import _check, _prompts, _run
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+SPLIT_PROGRAMS = 264  # an H200's launch target (two programs per SM), here too: the op splits
 
 
 def _batch(block_size: int, q_lens: list[int], firsts: list[int], blocks: int):
@@ -53,10 +54,13 @@ SHAPES = [  # (block_size, head_dim, query heads, KV heads)
 ]
 
 
-def _triton_attention(q, k, v, cache, slots, kv_lens, offsets, flat, starts, max_seqs, pad):
-    from kiln.attention.triton_backend import triton_paged_attention
+def _triton_attention(
+    q, k, v, cache, slots, kv_lens, offsets, flat, starts, max_seqs, pad, segments=None
+):
+    from kiln.attention.triton_backend import segment_workspace, triton_paged_attention
 
     t = len(slots)
+    workspace = segment_workspace(q.shape[1], k.shape[1], q.shape[2], SPLIT_PROGRAMS, DEVICE)
     query_starts = starts + [t + pad] * (max_seqs + 2 - len(starts))
     ours_cache = cache.to(DEVICE)
     out = torch.full((t + pad, q.shape[1] * q.shape[2]), float("nan"), device=DEVICE)
@@ -67,8 +71,9 @@ def _triton_attention(q, k, v, cache, slots, kv_lens, offsets, flat, starts, max
         torch.tensor(kv_lens + [0] * pad, dtype=torch.int32, device=DEVICE),
         torch.tensor(offsets + [0] * pad, dtype=torch.int32, device=DEVICE),
         flat.to(DEVICE), torch.tensor(query_starts, dtype=torch.int32, device=DEVICE),
-        q.shape[2] ** -0.5,
+        *workspace, SPLIT_PROGRAMS, q.shape[2] ** -0.5, segments=segments,
     )  # fmt: skip
+    assert workspace[1].abs().max() == 0  # every merge reset its ticket
     return out.cpu(), ours_cache.cpu()
 
 
@@ -77,7 +82,38 @@ def _triton_attention(q, k, v, cache, slots, kv_lens, offsets, flat, starts, max
     [(*shape, torch.float32) for shape in SHAPES] + [(*SHAPES[2], torch.bfloat16)],
 )
 def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dtype):
-    q_lens, firsts = BATCH
+    _check_against_torch_backend(block_size, head_dim, h, hkv, dtype, BATCH)
+
+
+# decodes at contexts of 10, 2 and 1 key tiles, a chunk after 4 tiles: segments of uneven
+# length, empty ones, and a sequence whose keys all sit in segment 0
+LONG_BATCH = ([1, 1, 1, 6], [300, 40, 0, 130])
+
+
+@pytest.mark.parametrize("segments", [1, 3, 8, None])
+def test_split_kv_segments_merge_to_the_unsplit_result(segments):
+    """Every split of the keys (the launcher picks one by the token count) gives the same
+    output: the segments' softmax states merge exactly, and each merge resets its ticket."""
+    _check_against_torch_backend(16, 32, 4, 2, torch.float32, LONG_BATCH, segments)
+
+
+def test_small_launches_split_the_keys():
+    """What the launcher picks on an H200: a b=1 decode of Qwen3-0.6B's heads (8 programs
+    otherwise) runs in 16 segments, a b=8 one in 2, and a 32-token step in 1 (no split, no
+    merge); in the CPU interpreter nothing splits (its programs run one at a time)."""
+    from kiln.attention.triton_backend import MAX_SEGMENTS, launch_shape, split_programs_for
+
+    def picked(split_programs):
+        # max_num_seqs 256: the sequence slots of a graph, then its padding
+        tokens = (1, 8, 32)
+        return [launch_shape(t, 16, 8, min(t, 256) + 1, split_programs).segments for t in tokens]
+
+    assert picked(SPLIT_PROGRAMS) == [MAX_SEGMENTS, 2, 1]
+    assert picked(split_programs_for(torch.device("cpu"))) == [1, 1, 1]
+
+
+def _check_against_torch_backend(block_size, head_dim, h, hkv, dtype, batch, segments=None):
+    q_lens, firsts = batch
     blocks = 128
     slots, kv_lens, offsets, starts, tables, flat = _batch(block_size, q_lens, firsts, blocks)
     t, pad = len(slots), 3
@@ -86,7 +122,7 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
     q, k, v = (torch.randn(t + pad, n, head_dim, generator=g).to(dtype) for n in (h, hkv, hkv))
     k[t:], v[t:] = float("nan"), float("nan")  # padding rows' inputs cannot reach an output
     out, ours_cache = _triton_attention(
-        q, k, v, cache, slots, kv_lens, offsets, flat, starts, 8, pad
+        q, k, v, cache, slots, kv_lens, offsets, flat, starts, 8, pad, segments
     )
     width = flat.numel() // len(tables)
     meta = AttentionMetadata(
@@ -95,7 +131,7 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
         torch.tensor([f + n for f, n in zip(firsts, q_lens)], dtype=torch.int32),
         flat.view(len(tables), width),
         t,
-        2,
+        sum(1 for n in q_lens if n == 1),
         max(f + n for f, n in zip(firsts, q_lens)),
     )
     meta = TorchPagedAttentionBackend().build_metadata(meta, block_size)
@@ -116,7 +152,7 @@ def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
     """The query-start buffer as the runner fills it (the batch's offsets, then its token count)
     and pads it for a graph (the graph's size past the last request): the padded launch writes
     every row, zeros for padding, and the real rows as the launch without padding does."""
-    from kiln.attention.triton_backend import triton_paged_attention
+    from kiln.attention.triton_backend import segment_workspace, triton_paged_attention
 
     q_lens, firsts = BATCH
     slots, kv_lens, offsets, starts, _, flat = _batch(16, q_lens, firsts, 32)
@@ -140,7 +176,8 @@ def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
     out = torch.full((size, 64), float("nan"), device=DEVICE)
     triton_paged_attention(
         q, k, v, cache[0], cache[1], out, b.slot_mapping[:size], b.token_kv_lens[:size],
-        b.token_table_offsets[:size], flat.to(DEVICE), b.query_start_loc, 0.25,
+        b.token_table_offsets[:size], flat.to(DEVICE), b.query_start_loc,
+        *segment_workspace(4, 2, 16, SPLIT_PROGRAMS, DEVICE), SPLIT_PROGRAMS, 0.25,
     )  # fmt: skip
     torch.testing.assert_close(out[:t].cpu(), unpadded, rtol=0, atol=0)
     assert out[t:].abs().max() == 0
@@ -149,13 +186,12 @@ def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
 def test_attention_benchmark_checks_triton_against_torch():
     """benchmarks/attention_kernels.py's smoke run: every row timed and the two backends'
     outputs equal on its batches (the check it makes before timing on a GPU)."""
-    rows = load_benchmark("attention_kernels").main(
-        ["--tiny", "--iters", "1", "--dtype", "float32"]
-    )
+    args = ["--tiny", "--iters", "1", "--dtype", "float32", "--split-programs", "264"]
+    rows = load_benchmark("attention_kernels").main(args)
     assert [r["case"] for r in rows] == ["decode b=4, ctx 40", "prefill 24"]
-    for row in rows:
-        assert row["max_abs_diff"] < 1e-4
-        assert min(row["triton_us"], row["torch_us"], row["sdpa_us"]) > 0
+    for row in rows:  # both launches split (at an H200's target): timed unsplit too
+        assert row["max_abs_diff"] < 1e-4 and row["unsplit_max_abs_diff"] < 1e-4
+        assert min(row["triton_us"], row["unsplit_us"], row["torch_us"], row["sdpa_us"]) > 0
 
 
 @pytest.mark.parametrize("name", ["llama", "qwen3"])
@@ -175,17 +211,24 @@ def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
 
 
 def test_backend_selection_errors():
-    cpu = torch.device("cpu")
-    assert select_backend("auto", cpu, 16).name == "torch_paged"
-    assert select_backend("triton", cpu, 16).graph_support.value == "always"
+    cpu, shape = torch.device("cpu"), AttentionShape(4, 2, 16)
+    assert select_backend("auto", cpu, 16, shape).name == "torch_paged"
+    assert select_backend("triton", cpu, 16, shape).graph_support.value == "always"
     with pytest.raises(ConfigError, match="power-of-two --block-size"):
-        select_backend("triton", cpu, 12)
+        select_backend("triton", cpu, 12, shape)
     with pytest.raises(ConfigError, match="unknown attention backend"):
-        select_backend("flash", cpu, 16)
+        select_backend("flash", cpu, 16, shape)
+    # compiled on a GPU (the GPU machine's triton 3.6 too), interpreted on the CPU from 3.9 on
+    check_triton_runs(torch.device("cuda"), False, "3.6.0")
+    check_triton_runs(cpu, True, "3.9.0")
+    with pytest.raises(ConfigError, match=r"needs a CUDA device.*--attention-backend torch"):
+        check_triton_runs(cpu, False, "3.9.0")
+    with pytest.raises(ConfigError, match=r"from triton 3\.9 on.*this is triton 3\.6\.0"):
+        check_triton_runs(cpu, True, "3.6.0")
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_kernels_compile_for_cuda(dtype, tmp_path):
+@pytest.mark.parametrize(("dtype", "segments"), [("fp32", 1), ("bf16", 1), ("bf16", 16)])
+def test_kernels_compile_for_cuda(dtype, segments, tmp_path):
     """The interpreter runs the kernels' Python semantics; this compiles them for real, to a
     Hopper cubin with Triton's bundled ptxas (no GPU needed): the data-dependent `while` loops,
     the tensor-core dots and the masks must lower through TTIR, TTGIR, PTX and ptxas. In a
@@ -193,7 +236,7 @@ def test_kernels_compile_for_cuda(dtype, tmp_path):
     generator."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_CACHE_DIR"] = str(tmp_path)
-    cmd = [sys.executable, "-m", "tests.triton_cuda_compile", dtype]
+    cmd = [sys.executable, "-m", "tests.triton_cuda_compile", dtype, str(segments)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["_paged_attention_kernel", "ok"]
+    assert done.stdout.split() == ["paged_attention_kernel", "ok"]

@@ -2,7 +2,7 @@
 down to a cubin with its bundled ptxas. Run by tests/test_triton_backend.py in a child process
 (the tests' interpreter mode replaces the code generator):
 
-    python -m tests.triton_cuda_compile fp32|bf16|fp16"""
+    python -m tests.triton_cuda_compile fp32|bf16|fp16 [segments]"""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kiln.attention import triton_backend
+from kiln.attention import triton_backend, triton_kernel
 
 # a head dim that is not a power of two exercises the masks; 3 heads per KV head, an idle row
 CONSTANTS = {
@@ -26,15 +26,16 @@ def argument_types(dtype: str) -> dict[str, str]:
     tensors = ("q_ptr", "k_ptr", "v_ptr", "out_ptr", "k_cache_ptr", "v_cache_ptr")
     types = {name: f"*{dtype}" for name in tensors}
     types |= {"slot_ptr": "*i64", "kv_len_ptr": "*i32", "table_offset_ptr": "*i32"}
-    types |= {"tables_ptr": "*i32", "qsl_ptr": "*i32"}
+    types |= {"tables_ptr": "*i32", "qsl_ptr": "*i32", "scratch_ptr": "*fp32", "ticket_ptr": "*i32"}
     return types | {"scale": "fp32"}  # the rest (strides, n_slots) are i32
 
 
-def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
+def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str, segments: int) -> None:
     # the precision the launcher picks: IEEE for float32 (no TF32 rounding of the scores)
     dot_dtype = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}[dtype]
     precision = "ieee" if dtype == "fp32" else "tf32"
     constants = CONSTANTS | {"DOT_DTYPE": dot_dtype, "PRECISION": precision}
+    constants["NUM_SEGMENTS"] = segments
     types = argument_types(dtype)
     signature = {
         name: "constexpr" if name in constants else types.get(name, "i32")
@@ -47,12 +48,20 @@ def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
         or f".entry {kernel.__name__}" not in compiled.asm["ptx"]
     ):
         raise SystemExit(f"{kernel.__name__}: no cubin/entry point in the compiled output")
+    ptx = compiled.asm["ptx"]
+    # split-KV's merge: the ticket is an acquire-release atomic at GPU scope after a barrier
+    # (the program's partial stores published first), the merging program reads through L2
+    merge = ["bar.sync", "atom.global.gpu.acq_rel.add", "ld.global.cg"]
+    if segments > 1 and not all(op in ptx for op in merge):
+        raise SystemExit(f"split-KV merge: expected {merge} in the PTX")
+    if segments == 1 and "atom." in ptx:
+        raise SystemExit("an unsplit launch should have no atomics")
 
 
 def main() -> None:
-    dtype = sys.argv[1]
-    kernel = triton_backend._paged_attention_kernel
-    compile_for_hopper(kernel, dtype)
+    dtype, segments = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    kernel = triton_kernel.paged_attention_kernel
+    compile_for_hopper(kernel, dtype, segments)
     print(kernel.__name__, "ok")
 
 

@@ -1,4 +1,9 @@
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
+from kiln.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionShape,
+    GraphSupport,
+)
 from kiln.attention.layer import Attention
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 
@@ -6,6 +11,7 @@ __all__ = [
     "Attention",
     "AttentionBackend",
     "AttentionMetadata",
+    "AttentionShape",
     "GraphSupport",
     "TorchPagedAttentionBackend",
 ]

@@ -19,6 +19,15 @@ class GraphSupport(enum.Enum):
     NEVER = "never"  # must run eagerly (a splitting op)
 
 
+@dataclass(frozen=True)
+class AttentionShape:
+    """The model's attention heads, which a backend may size its workspaces by."""
+
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
 @dataclass
 class AttentionMetadata:
     """One step's batch layout. Requests are ordered decodes first (query length 1), then

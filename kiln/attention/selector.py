@@ -9,7 +9,7 @@ import logging
 
 import torch
 
-from kiln.attention.backend import AttentionBackend
+from kiln.attention.backend import AttentionBackend, AttentionShape
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.errors import ConfigError
 
@@ -25,7 +25,11 @@ def triton_available() -> bool:
 
 
 def select_backend(
-    name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.float32
+    name: str,
+    device: torch.device,
+    block_size: int,
+    shape: AttentionShape,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionBackend:
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
@@ -38,16 +42,39 @@ def select_backend(
             )
     if name == "torch":
         return TorchPagedAttentionBackend(dtype)
-    return _triton_backend(block_size)
+    return _triton_backend(block_size, shape, device)
 
 
-def _triton_backend(block_size: int) -> AttentionBackend:
+def _triton_backend(
+    block_size: int, shape: AttentionShape, device: torch.device
+) -> AttentionBackend:
     if not triton_available():
         raise ConfigError("attention backend 'triton' needs triton: pip install triton")
     if block_size & (block_size - 1):
         raise ConfigError(
             f"attention backend 'triton' needs a power-of-two --block-size, got {block_size}"
         )
-    from kiln.attention.triton_backend import TritonPagedAttentionBackend
+    import triton
 
-    return TritonPagedAttentionBackend()
+    from kiln.attention import triton_backend
+
+    check_triton_runs(device, triton_backend.INTERPRETED, triton.__version__)
+    return triton_backend.TritonPagedAttentionBackend(shape)
+
+
+def check_triton_runs(device: torch.device, interpreted: bool, version: str) -> None:
+    """The Triton kernel runs compiled on a CUDA device, or in Triton's CPU interpreter (tests);
+    anything else would fail at the first step, so it fails here, naming the remedy."""
+    if device.type != "cuda" and not interpreted:
+        raise ConfigError(
+            "attention backend 'triton' needs a CUDA device: on the CPU its kernel runs only in "
+            "Triton's interpreter (TRITON_INTERPRET=1 set before kiln starts; slow, for "
+            "tests). Remedy: --attention-backend torch, the CPU default"
+        )
+    major_minor = tuple(int(part) for part in version.split(".")[:2])
+    if interpreted and major_minor < (3, 9):
+        raise ConfigError(
+            f"Triton's CPU interpreter runs kiln's attention kernel from triton 3.9 on (its "
+            f"loops' bounds are loaded from memory); this is triton {version}. Remedy: pip "
+            f"install 'triton>=3.9,<3.10', or --attention-backend torch"
+        )
