@@ -121,7 +121,7 @@ def _merge_segments(
         m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_all = tl.zeros([BLOCK_M], tl.float32)
         acc_all = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for s in tl.range(0, active):
+        for s in tl.range(0, active, num_stages=1):  # plain loads after the acquire, no prefetch
             at = scratch_ptr + (prog * NUM_SEGMENTS + s) * stride
             m_s = tl.load(at + BLOCK_M * BLOCK_D + r, cache_modifier=".cg")
             m_new = tl.maximum(m_all, m_s)
