@@ -230,8 +230,10 @@ def test_backend_selection_errors():
 @pytest.mark.parametrize(("dtype", "segments"), [("fp32", 1), ("bf16", 1), ("bf16", 16)])
 def test_kernels_compile_for_cuda(dtype, segments, tmp_path):
     """The interpreter runs the kernels' Python semantics; this compiles them for real, to a
-    Hopper cubin with Triton's bundled ptxas (no GPU needed): the data-dependent `while` loops,
-    the tensor-core dots and the masks must lower through TTIR, TTGIR, PTX and ptxas. In a
+    Hopper cubin with Triton's bundled ptxas (no GPU needed), specialized as the launcher
+    specializes them: the key loops with loaded bounds (pipelined: cp.async), the tensor-core
+    dots, the masks and split-KV's merge (barrier, acquire-release ticket, L2 loads) must lower
+    through TTIR, TTGIR, PTX and ptxas. In a
     child process, because the interpreter (TRITON_INTERPRET=1 here) replaces Triton's code
     generator."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
