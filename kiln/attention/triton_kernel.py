@@ -3,7 +3,7 @@ decodes and mixed batches, that a FULL CUDA graph can capture (launched by trito
 
 A program takes up to BLOCK_Q consecutive tokens of one sequence and the GROUP query heads
 that share one KV head: BLOCK_M = BLOCK_Q * GROUP rows of tensor-core dots against tiles of
-KEY_TILE keys, so a prefill chunk reads its keys once per query block, not once per token and
+BLOCK_N keys (the backend's KEY_TILE, 32), so a prefill chunk reads its keys once per query block, not once per token and
 head, and a decode reads its keys once per KV head. Keys before this step's chunk come from
 the paged cache; the chunk's own come straight from k and v, which the same program then
 writes into the cache. No program reads a slot this launch writes (the prefix cache shares
@@ -20,6 +20,7 @@ KV head) splits each program's keys into segments, up to about two programs per 
 leaves its softmax state in a scratch buffer and takes a ticket; the one that takes the last
 ticket merges them all, in the same launch. The split depends on the token count only, like the
 grid, so FULL graphs capture it.
+
 Runs under TRITON_INTERPRET=1 on the CPU (triton >= 3.9), which is how the tests check it
 without a GPU."""
 
