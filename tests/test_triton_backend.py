@@ -54,13 +54,20 @@ SHAPES = [  # (block_size, head_dim, query heads, KV heads)
 ]
 
 
+def _workspace(h, hkv, head_dim):
+    from kiln.attention.triton_backend import segment_workspace
+
+    return segment_workspace(h, hkv, head_dim, SPLIT_PROGRAMS, DEVICE)
+
+
 def _triton_attention(
-    q, k, v, cache, slots, kv_lens, offsets, flat, starts, max_seqs, pad, segments=None
-):
-    from kiln.attention.triton_backend import segment_workspace, triton_paged_attention
+    q, k, v, cache, slots, kv_lens, offsets, flat, starts, max_seqs, pad, segments=None,
+    workspace=None,
+):  # fmt: skip
+    from kiln.attention.triton_backend import triton_paged_attention
 
     t = len(slots)
-    workspace = segment_workspace(q.shape[1], k.shape[1], q.shape[2], SPLIT_PROGRAMS, DEVICE)
+    workspace = workspace or _workspace(q.shape[1], k.shape[1], q.shape[2])
     query_starts = starts + [t + pad] * (max_seqs + 2 - len(starts))
     ours_cache = cache.to(DEVICE)
     out = torch.full((t + pad, q.shape[1] * q.shape[2]), float("nan"), device=DEVICE)
@@ -85,16 +92,33 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
     _check_against_torch_backend(block_size, head_dim, h, hkv, dtype, BATCH)
 
 
-# decodes at contexts of 10, 2 and 1 key tiles, a chunk after 4 tiles: segments of uneven
-# length, empty ones, and a sequence whose keys all sit in segment 0
-LONG_BATCH = ([1, 1, 1, 6], [300, 40, 0, 130])
+# decodes at contexts of 38, 2 and 0 key tiles, a chunk after 5 tiles: segments of uneven
+# length (at least 4 tiles each), empty ones, and sequences whose keys all sit in segment 0
+LONG_BATCH = ([1, 1, 1, 6], [1200, 40, 0, 130])
 
 
 @pytest.mark.parametrize("segments", [1, 3, 8, None])
 def test_split_kv_segments_merge_to_the_unsplit_result(segments):
     """Every split of the keys (the launcher picks one by the token count) gives the same
     output: the segments' softmax states merge exactly, and each merge resets its ticket."""
-    _check_against_torch_backend(16, 32, 4, 2, torch.float32, LONG_BATCH, segments)
+    _check_against_torch_backend(16, 32, 4, 2, torch.float32, LONG_BATCH, segments, blocks=320)
+
+
+@pytest.mark.parametrize(("context", "merged"), [(100, False), (300, True)])
+def test_only_contexts_of_two_segments_merge(context, merged):
+    """A b=1 decode splits 16 ways, but segments hold at least MIN_SEGMENT_KEYS keys: a
+    100-key context stays in segment 0, which writes the output without touching the scratch;
+    a 300-key one merges three segments through it. Both equal the unsplit launch."""
+    slots, kv_lens, offsets, starts, _, flat = _batch(16, [1], [context], 32)
+    g = torch.Generator().manual_seed(5)
+    cache = torch.randn(2, 32, 16, 2, 32, generator=g)
+    q, k, v = (torch.randn(1, n, 32, generator=g) for n in (4, 2, 2))
+    args = (q, k, v, cache, slots, kv_lens, offsets, flat, starts, 8, 0)
+    workspace = _workspace(4, 2, 32)
+    workspace[0].fill_(float("nan"))
+    split = _triton_attention(*args, workspace=workspace)[0]
+    assert (~workspace[0].isnan()).any().item() == merged
+    torch.testing.assert_close(split, _triton_attention(*args, segments=1)[0])
 
 
 def test_small_launches_split_the_keys():
@@ -112,9 +136,10 @@ def test_small_launches_split_the_keys():
     assert picked(split_programs_for(torch.device("cpu"))) == [1, 1, 1]
 
 
-def _check_against_torch_backend(block_size, head_dim, h, hkv, dtype, batch, segments=None):
+def _check_against_torch_backend(
+    block_size, head_dim, h, hkv, dtype, batch, segments=None, blocks=128
+):
     q_lens, firsts = batch
-    blocks = 128
     slots, kv_lens, offsets, starts, tables, flat = _batch(block_size, q_lens, firsts, blocks)
     t, pad = len(slots), 3
     g = torch.Generator().manual_seed(0)

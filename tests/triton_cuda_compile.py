@@ -19,6 +19,7 @@ from kiln.attention import triton_backend, triton_kernel
 CONSTANTS = {
     "GROUP": 3, "D": 96, "BLOCK_D": 128, "BLOCK_SIZE": 16, "BLOCK_Q": 5, "BLOCK_M": 16,
     "BLOCK_N": triton_backend.KEY_TILE,
+    "SEGMENT_TILES": triton_backend.MIN_SEGMENT_KEYS // triton_backend.KEY_TILE,
 }  # fmt: skip
 
 

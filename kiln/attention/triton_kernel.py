@@ -1,14 +1,14 @@
 """The paged-attention kernel in Triton: one kernel, one launch per layer, for prefill chunks,
 decodes and mixed batches, that a FULL CUDA graph can capture (launched by triton_backend).
 
-A program takes up to BLOCK_Q consecutive tokens of one sequence and the GROUP query heads
-that share one KV head: BLOCK_M = BLOCK_Q * GROUP rows of tensor-core dots against tiles of
-BLOCK_N keys (the backend's KEY_TILE, 32), so a prefill chunk reads its keys once per query block, not once per token and
-head, and a decode reads its keys once per KV head. Keys before this step's chunk come from
-the paged cache; the chunk's own come straight from k and v, which the same program then
-writes into the cache. No program reads a slot this launch writes (the prefix cache shares
-only blocks computed in earlier steps), so the write needs no second kernel to order it, and
-PIECEWISE graphs run one eager launch between pieces instead of two.
+A program takes up to BLOCK_Q consecutive tokens of one sequence and the GROUP query heads that
+share one KV head: BLOCK_M = BLOCK_Q * GROUP rows of tensor-core dots against tiles of BLOCK_N
+keys (the backend's KEY_TILE, 32), so a prefill chunk reads its keys once per query block, not
+once per token and head, and a decode reads its keys once per KV head. Keys before this step's
+chunk come from the paged cache; the chunk's own come straight from k and v, which the same
+program then writes into the cache. No program reads a slot this launch writes (the prefix cache
+shares only blocks computed in earlier steps), so the write needs no second kernel to order it,
+and PIECEWISE graphs run one eager launch between pieces instead of two.
 
 Programs find their sequence by a binary search of the persistent query-start buffer, whose
 entries past the last request hold the padded token count: the launch grid depends on the
@@ -83,11 +83,16 @@ def _write_kv(
 
 
 @triton.jit
-def _segment_keys(context, segment, NUM_SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The cached keys [lo, hi) of this program's segment (whole key tiles, split evenly) and
-    how many segments have any: at least 1, as segment 0 also takes the chunk's own keys."""
+def _segment_keys(
+    context, segment, NUM_SEGMENTS: tl.constexpr, SEGMENT_TILES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The cached keys [lo, hi) of this program's segment (whole key tiles, split evenly, at
+    least SEGMENT_TILES per segment) and how many segments have any: at least 1, as segment 0
+    also takes the chunk's own keys. The minimum keeps short contexts in one segment, where a
+    merge would cost more than the tiles it parallelizes."""
     tiles = tl.cdiv(context, BLOCK_N)
-    per = tl.maximum(tl.cdiv(tiles, NUM_SEGMENTS), 1)
+    per = tl.maximum(tl.cdiv(tiles, NUM_SEGMENTS), SEGMENT_TILES)
     lo = segment * per * BLOCK_N
     return lo, tl.minimum(lo + per * BLOCK_N, context), tl.maximum(tl.cdiv(tiles, per), 1)
 
@@ -170,6 +175,7 @@ def paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
+    SEGMENT_TILES: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
@@ -205,7 +211,7 @@ def paged_attention_kernel(
     # for loops with loaded bounds, not while loops: Triton software-pipelines only for loops
     # (cp.async prefetch of the next tiles; sm_90 PTX: 94 registers instead of 128). Triton's
     # CPU interpreter takes loaded bounds from 3.9 on.
-    lo, hi, active = _segment_keys(context, segment, NUM_SEGMENTS, BLOCK_N)
+    lo, hi, active = _segment_keys(context, segment, NUM_SEGMENTS, SEGMENT_TILES, BLOCK_N)
     for j in tl.range(lo, hi, BLOCK_N):
         pos = j + n
         kmask = pos < hi
