@@ -8,7 +8,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
@@ -73,7 +72,7 @@ def launch_shape(
     """At least 16 rows per program (what a tensor-core dot needs). `segments`: by default as
     many (a power of two, at most MAX_SEGMENTS) as keep the launch within `split_programs`."""
     group = num_heads // num_kv_heads
-    block_m = 16 if group <= 16 else triton.next_power_of_2(group)
+    block_m = 16 if group <= 16 else _next_power_of_2(group)
     block_q = block_m // group
     # sequence i's query blocks start at qsl[i] // block_q + i, the end of them all at this
     programs = (num_tokens // block_q + num_seq_slots, num_kv_heads)
@@ -87,7 +86,12 @@ def launch_shape(
 
 
 def _block_d(head_dim: int) -> int:
-    return max(16, triton.next_power_of_2(head_dim))
+    return max(16, _next_power_of_2(head_dim))
+
+
+def _next_power_of_2(n: int) -> int:
+    # triton.next_power_of_2 takes 2.4 us here, on every eager attention call of a PIECEWISE step
+    return 1 << (n - 1).bit_length()
 
 
 def split_programs_for(device: torch.device) -> int:
