@@ -93,7 +93,7 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
 
 
 # decodes at contexts of 38, 2 and 0 key tiles, a chunk after 5 tiles: segments of uneven
-# length (at least 4 tiles each), empty ones, and sequences whose keys all sit in segment 0
+# length (cut every 4 tiles or more), empty ones, and sequences whose keys all sit in segment 0
 LONG_BATCH = ([1, 1, 1, 6], [1200, 40, 0, 130])
 
 
@@ -106,8 +106,8 @@ def test_split_kv_segments_merge_to_the_unsplit_result(segments):
 
 @pytest.mark.parametrize(("context", "merged"), [(100, False), (300, True)])
 def test_only_contexts_of_two_segments_merge(context, merged):
-    """A b=1 decode splits 16 ways, but segments hold at least MIN_SEGMENT_KEYS keys: a
-    100-key context stays in segment 0, which writes the output without touching the scratch;
+    """A b=1 decode splits 16 ways, but segments are cut every MIN_SEGMENT_KEYS keys or more:
+    a 100-key context stays in segment 0, which writes the output without touching the scratch;
     a 300-key one merges three segments through it. Both equal the unsplit launch."""
     slots, kv_lens, offsets, starts, _, flat = _batch(16, [1], [context], 32)
     g = torch.Generator().manual_seed(5)

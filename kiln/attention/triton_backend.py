@@ -32,9 +32,9 @@ KEY_TILE = 32  # keys per step of the online softmax
 # MAX_SEGMENTS segments, for about two programs per SM in all (`split_programs`): a b=1 decode
 # of Qwen3-0.6B would otherwise run 8 programs (one per KV head) on an H200's 132 SMs.
 MAX_SEGMENTS = 16
-# ... of at least this many keys each: a context shorter than two of them stays in one segment,
-# which writes the output without a merge (vLLM's PagedAttention v2 splits by 512 tokens, its
-# Triton kernel by a tile; the merge's round trip through L2 decides, on the GPU's numbers)
+# ... cut every MIN_SEGMENT_KEYS keys or more: a context of up to that many stays in one
+# segment, which writes the output without a merge (vLLM's PagedAttention v2 splits by 512
+# tokens, its Triton kernel by a tile; the merge's round trip through L2 decides, on the GPU)
 MIN_SEGMENT_KEYS = 128
 _TRITON_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 

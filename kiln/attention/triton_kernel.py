@@ -87,8 +87,8 @@ def _segment_keys(
     context, segment, NUM_SEGMENTS: tl.constexpr, SEGMENT_TILES: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """The cached keys [lo, hi) of this program's segment (whole key tiles, split evenly, at
-    least SEGMENT_TILES per segment) and how many segments have any: at least 1, as segment 0
+    """The cached keys [lo, hi) of this program's segment (whole key tiles, split evenly, cut
+    every SEGMENT_TILES tiles or more) and how many segments have any: at least 1, as segment 0
     also takes the chunk's own keys. The minimum keeps short contexts in one segment, where a
     merge would cost more than the tiles it parallelizes."""
     tiles = tl.cdiv(context, BLOCK_N)
