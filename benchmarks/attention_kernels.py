@@ -165,29 +165,19 @@ def ops(
         backend = TritonPagedAttentionBackend(shape, split_programs)
         meta = backend.build_metadata(batch.meta, BLOCK_SIZE)
         found["triton"] = run(backend, meta)
-        if triton_segments(batch, meta) > 1:  # what the split gains: the same launch unsplit
-            found["unsplit"] = lambda: triton_unsplit(batch, meta, out)
+        if triton_segments(batch, meta) > 1:  # what the split gains: a backend that never splits
+            unsplit = TritonPagedAttentionBackend(shape, split_programs=1)
+            found["unsplit"] = run(unsplit, unsplit.build_metadata(batch.meta, BLOCK_SIZE))
     return found, out
 
 
 def triton_segments(batch: Batch, meta) -> int:
     """How many segments the Triton launcher splits this batch's keys into."""
-    from kiln.attention.triton_backend import launch_shape
+    from kiln.attention.triton_backend import launch_shape, seq_slots
 
     t, h, _ = batch.q.shape
-    slots = min(t, meta.query_start_loc_padded.numel() - 2) + 1
+    slots = seq_slots(t, meta.query_start_loc_padded)
     return launch_shape(t, h, batch.k.shape[1], slots, meta.split_programs).segments
-
-
-def triton_unsplit(batch: Batch, meta, out: torch.Tensor) -> None:
-    from kiln.attention.triton_backend import triton_paged_attention
-
-    triton_paged_attention(
-        batch.q, batch.k, batch.v, batch.k_cache, batch.v_cache, out, meta.slot_mapping,
-        meta.token_kv_lens, meta.token_table_offsets, meta.block_tables_flat,
-        meta.query_start_loc_padded, meta.segment_scratch, meta.segment_tickets,
-        meta.split_programs, batch.q.shape[2] ** -0.5, segments=1,
-    )  # fmt: skip
 
 
 def time_us(fn, iters: int, device: torch.device) -> float:

@@ -85,6 +85,11 @@ def launch_shape(
     return LaunchShape(block_m, block_q, programs, segments)
 
 
+def seq_slots(num_tokens: int, query_start_loc: torch.Tensor) -> int:
+    """Sequence slots a launch searches: the requests (at most one per token), then padding."""
+    return min(num_tokens, query_start_loc.numel() - 2) + 1
+
+
 def _block_d(head_dim: int) -> int:
     return max(16, _next_power_of_2(head_dim))
 
@@ -140,12 +145,12 @@ def triton_paged_attention(
     (max_seqs + 2 entries): the requests' offsets, then T in every entry past the last one,
     so that rows past the requests' tokens form one more sequence, of padding. Small launches
     split the keys into segments, up to `split_programs` programs, in `segment_workspace`'s
-    scratch; `segments` overrides the split (tests, benchmarks)."""
+    scratch; `segments` overrides the split (tests)."""
     t, h, d = q.shape
     if t == 0:
         return
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
-    num_seq_slots = min(t, query_start_loc.numel() - 2) + 1  # the requests, then padding
+    num_seq_slots = seq_slots(t, query_start_loc)
     shape = launch_shape(t, h, hkv, num_seq_slots, split_programs, segments)
     block_d = _block_d(d)
     if shape.segments > 1:
