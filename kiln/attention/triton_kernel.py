@@ -196,12 +196,12 @@ def paged_attention_kernel(
     q_tile = rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :]
     q = tl.load(q_ptr + q_tile, mask=row_ok[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
     n_keys = tl.load(kv_len_ptr + rows, mask=row_ok, other=0)  # 0 for padding rows
-    # keys before this step's chunk are in the cache; the chunk's own come from k and v, so
-    # nothing here reads a slot this launch writes (and the write below needs no ordering)
     # a sequence's last query block can lie past its end (its blocks are counted from block
     # boundaries): that program has no rows and must not walk the keys for nothing
     has_rows = row0 < seq_end
     first_kv_len = tl.load(kv_len_ptr + seq_start, mask=has_rows, other=0)
+    # keys before this step's chunk are in the cache; the chunk's own come from k and v, so
+    # nothing here reads a slot this launch writes (and the write below needs no ordering)
     context = tl.maximum(first_kv_len - 1, 0)
     table = tl.load(table_offset_ptr + seq_start, mask=has_rows, other=0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
