@@ -77,8 +77,25 @@ class LLMEngine:
         t0 = time.monotonic()
         with self.boot.phase("load_model"):
             self._open_model()
-        with self.boot.phase("plan"):
-            self._plan(graph_backend)
+        self.compile_cache: CompileCacheEntry | None = None
+        try:
+            with self.boot.phase("plan"):
+                self._plan(graph_backend)
+            num_blocks = self._boot_on_the_plan()
+        finally:
+            if self.compile_cache is not None:  # sealed by now, or abandoned by a failed boot
+                self.compile_cache.release()
+        self.boot_s = time.monotonic() - t0
+        logger.info(
+            "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
+            self.boot_s,
+            ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.boot.durations.items()),
+            self.model_config.architecture,
+            num_blocks,
+            config.cache.block_size,
+        )
+
+    def _boot_on_the_plan(self) -> int:
         self.graphs = GraphBoot(self.runner, self.graph_backend)
         with self.boot.phase("measure_graph_memory"):
             reserved = self.graphs.measure(self.dtype)
@@ -89,15 +106,7 @@ class LLMEngine:
             self._warm_up()
         with self.boot.phase("capture_graphs"):
             self.graphs.capture()
-        self.boot_s = time.monotonic() - t0
-        logger.info(
-            "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
-            self.boot_s,
-            ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in self.boot.durations.items()),
-            self.model_config.architecture,
-            num_blocks,
-            config.cache.block_size,
-        )
+        return num_blocks
 
     def _open_model(self) -> None:
         config = self.config

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import subprocess
@@ -16,6 +17,7 @@ from kiln.compilation.cache import (
     CompileCacheEntry,
     cache_key,
     cache_key_fields,
+    clear_entries,
     list_entries,
     open_for_plan,
 )
@@ -91,17 +93,21 @@ def test_the_engine_keys_its_entry_by_the_resolved_plan(tmp_path, changes):
     """What the engine passes in (a resolved plan), not only the key function, tells entries
     apart."""
     base = {"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE", "cudagraph_capture_sizes": (1, 2, 4)}
-    args = (BASE["model_config"], "float32", torch.device("cpu"), tmp_path)
-    path = open_for_plan(_plan(**base), *args).path
-    assert open_for_plan(_plan(**base), *args).path == path
-    assert open_for_plan(_plan(**{**base, **changes}), *args).path != path
+    path = _entry_path(_plan(**base), tmp_path)
+    assert _entry_path(_plan(**base), tmp_path) == path
+    assert _entry_path(_plan(**{**base, **changes}), tmp_path) != path
+
+
+def _entry_path(plan: dict, root) -> str:
+    entry = open_for_plan(plan, BASE["model_config"], "float32", torch.device("cpu"), root)
+    entry.release()  # unsealed: the next open of the same entry rebuilds it, without waiting
+    return entry.path
 
 
 def test_a_request_that_resolves_to_the_same_plan_shares_the_entry(tmp_path):
-    args = (BASE["model_config"], "float32", torch.device("cpu"), tmp_path)
     sizes = {"mode": 3, "cudagraph_capture_sizes": (1, 2, 4)}
     capped = {**sizes, "max_cudagraph_capture_size": 16}  # caps nothing: same artifacts
-    assert open_for_plan(_plan(**sizes), *args).path == open_for_plan(_plan(**capped), *args).path
+    assert _entry_path(_plan(**sizes), tmp_path) == _entry_path(_plan(**capped), tmp_path)
 
 
 def test_corrupted_entry_is_rebuilt(tmp_path, caplog):
@@ -112,16 +118,137 @@ def test_corrupted_entry_is_rebuilt(tmp_path, caplog):
     artifact.parent.mkdir()
     artifact.write_text("compiled code")
     entry.seal()
-    assert CompileCacheEntry.open(fields, tmp_path).reused
+    reopened = CompileCacheEntry.open(fields, tmp_path)
+    assert reopened.reused
+    reopened.release()
     artifact.write_text("compiled code, truncated by a crash")
     with caplog.at_level(logging.WARNING):
         again = CompileCacheEntry.open(fields, tmp_path)
     assert not again.reused and not artifact.exists()
     assert "corrupted" in caplog.text and "checksum" in caplog.text
     # an entry whose compilation never finished (no manifest) is rebuilt too
+    again.release()
     with caplog.at_level(logging.WARNING):
         assert not CompileCacheEntry.open(fields, tmp_path).reused
     assert "no manifest" in caplog.text
+
+
+# Another kiln process opening an entry: prints whether it reused it, or, told to crash, dies
+# mid-compilation (as a killed or OOM-ed boot does) after writing a partial artifact.
+OPEN_ELSEWHERE = """
+import json, logging, os, sys
+from pathlib import Path
+logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
+from kiln.compilation.cache import CompileCacheEntry
+entry = CompileCacheEntry.open(json.loads(sys.argv[1]), Path(sys.argv[2]))
+if sys.argv[3] == "crash":
+    (entry.path / "partial.py").write_text("half a kernel")
+    os._exit(3)
+print(json.dumps({"reused": entry.reused}))
+"""
+
+
+def _open_elsewhere(fields: dict, root, then: str = "report") -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", OPEN_ELSEWHERE, json.dumps(fields, default=str), str(root), then],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _first_line_with(stream, text: str) -> str:
+    """Blocks until the other process writes a line holding `text`; '' if it exits first."""
+    for line in stream:
+        if text in line:
+            return line
+    return ""
+
+
+def test_a_second_process_waits_for_the_compilation_and_reuses_it(tmp_path):
+    """Two replicas booting one configuration: the second neither deletes the first's
+    unfinished entry (what treating "no manifest" as corruption did) nor compiles beside it."""
+    fields = cache_key_fields(**BASE)
+    builder = CompileCacheEntry.open(fields, tmp_path)
+    artifact = builder.path / "inductor" / "piece.py"
+    artifact.parent.mkdir()
+    artifact.write_text("compiled code")
+    other = _open_elsewhere(fields, tmp_path)
+    waiting = _first_line_with(other.stderr, "waiting for it")
+    assert f"pid {os.getpid()} " in waiting, other.communicate(timeout=60)
+    assert artifact.read_text() == "compiled code"
+    builder.seal()
+    out, err = other.communicate(timeout=120)
+    assert other.returncode == 0, err
+    assert json.loads(out) == {"reused": True}
+    assert artifact.read_text() == "compiled code" and "corrupted" not in err
+
+
+def test_a_compilation_whose_process_died_is_rebuilt_without_waiting(tmp_path, caplog):
+    fields = cache_key_fields(**BASE)
+    crashed = _open_elsewhere(fields, tmp_path, then="crash")
+    assert crashed.wait(timeout=120) == 3
+    with caplog.at_level(logging.WARNING):
+        entry = CompileCacheEntry.open(fields, tmp_path)  # the kernel dropped the dead one's lock
+    assert not entry.reused and not (entry.path / "partial.py").exists()
+    assert "did not finish" in caplog.text and "waiting" not in caplog.text
+    entry.release()
+
+
+def test_clear_keeps_what_a_running_process_compiles(tmp_path):
+    compiling = CompileCacheEntry.open(cache_key_fields(**BASE), tmp_path)
+    sealed = CompileCacheEntry.open(cache_key_fields(**{**BASE, "dtype": "bfloat16"}), tmp_path)
+    sealed.seal()
+    rows = {row["key"]: row for row in list_entries(tmp_path)}
+    assert f"pid {os.getpid()} " in rows[compiling.path.name]["compiling"]
+    assert rows[sealed.path.name]["valid"] and rows[sealed.path.name]["compiling"] is None
+    result = clear_entries(root=tmp_path)
+    assert result.removed == [sealed.path.name] and list(result.in_use) == [compiling.path.name]
+    assert compiling.path.is_dir()
+    compiling.seal()
+    assert clear_entries(root=tmp_path).removed == [compiling.path.name]
+
+
+def test_a_filesystem_without_locks_is_warned_about_and_still_cached(tmp_path, caplog, monkeypatch):
+    import errno
+
+    from kiln.compilation import cache_lock
+
+    def no_locks(file, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(cache_lock.fcntl, "flock", no_locks)
+    fields = cache_key_fields(**BASE)
+    with caplog.at_level(logging.WARNING):
+        entry = CompileCacheEntry.open(fields, tmp_path)
+    assert not entry.reused and "may race on this cache" in caplog.text
+    entry.seal()
+    again = CompileCacheEntry.open(fields, tmp_path)
+    assert again.reused
+    again.release()
+
+
+def test_a_failed_boot_lets_go_of_its_entry(tiny_models, tmp_path, monkeypatch):
+    """An engine whose boot fails after opening its entry (here: a KV budget too small, found
+    before anything compiles) must not leave it locked for the next engine of this process,
+    even while the failure's traceback keeps the half-built engine alive (as a notebook or a
+    logged exception does)."""
+    from kiln import LLM
+    from kiln.errors import ConfigError
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    failures = []
+    for _ in range(2):  # the second boot would wait for the first's lock, up to its timeout
+        with pytest.raises(ConfigError, match="raise --kv-cache-memory") as failed:
+            LLM(
+                tiny_models["llama"],
+                kv_cache_memory="1KiB",
+                compilation_config={"mode": 3},
+                boot_timeout=20,
+            )
+        failures.append(failed)
+    (row,) = list_entries(tmp_path / "compile")
+    assert row["compiling"] is None and "did not finish" in row["problem"]
 
 
 def test_activate_points_inductor_inside_the_entry(tmp_path, monkeypatch):
@@ -147,10 +274,20 @@ def test_cli_ls_and_clear(tmp_path):
             timeout=120,
         )
 
+    compiling = CompileCacheEntry.open(
+        cache_key_fields(**{**BASE, "dtype": "bfloat16"}), tmp_path / "compile"
+    )
     out = kiln("ls")
     assert out.returncode == 0 and entry.path.name in out.stdout and "ok" in out.stdout
     assert "FULL_AND_PIECEWISE" in out.stdout
-    assert len(list_entries(tmp_path / "compile")) == 1
+    assert (
+        f"{compiling.path.name}" in out.stdout and f"COMPILING (by pid {os.getpid()} " in out.stdout
+    )
+    assert len(list_entries(tmp_path / "compile")) == 2
+    out = kiln("clear")
+    assert out.returncode == 1 and "removed 1" in out.stdout
+    assert f"kept {compiling.path.name}" in out.stdout and "again once it has booted" in out.stdout
+    compiling.seal()
     out = kiln("clear")
     assert out.returncode == 0 and "removed 1" in out.stdout
     assert "empty" in kiln("ls").stdout

@@ -19,9 +19,15 @@ def _describe(fields: dict) -> str:
 
 def run_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
-        n = clear_entries(args.key)
+        result = clear_entries(args.key)
+        n = len(result.removed)
         print(f"removed {n} compile cache entr{'y' if n == 1 else 'ies'} from {compile_root()}")
-        return 0
+        for key, owner in result.in_use.items():
+            print(
+                f"kept {key}: a running kiln process is compiling or loading it (last compiled "
+                f"by {owner}); run `kiln cache clear` again once it has booted"
+            )
+        return 1 if result.in_use else 0
     rows = list_entries()
     if not rows:
         print(f"the compile cache at {compile_root()} is empty")
@@ -33,6 +39,8 @@ def run_cache(args: argparse.Namespace) -> int:
             else "-"
         )
         state = "ok" if r["valid"] else f"CORRUPTED ({r['problem']})"
+        if r["compiling"]:
+            state = f"COMPILING (by {r['compiling']})"
         print(
             f"{r['key']}  {r['bytes'] / 2**20:8.1f} MiB  {when}  {state}  {_describe(r['fields'])}"
         )

@@ -4,7 +4,9 @@ change can never load another configuration's artifacts (the field report's "exp
 8==4" from a stale Inductor cache cannot happen).
 
 An entry is valid when its manifest (written atomically last) lists files whose checksums still
-match; anything else is warned about and rebuilt."""
+match; anything else is warned about and rebuilt. Processes that boot the same configuration at
+once take turns through the entry's lock (`cache_lock.py`): one compiles, the others wait and
+reuse what it sealed, and no process deletes an entry another is compiling into or reading."""
 
 from __future__ import annotations
 
@@ -15,12 +17,13 @@ import os
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from kiln.compilation.cache_lock import LOCKS_DIR, EntryLock
 from kiln.paths import kiln_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -100,23 +103,28 @@ class CompileCacheEntry:
     path: Path
     fields: dict[str, Any]
     reused: bool
+    lock: EntryLock | None = field(default=None, repr=False)  # held from open to seal
 
     @classmethod
     def open(cls, fields: dict[str, Any], root: Path | None = None) -> CompileCacheEntry:
-        """Find or create the entry for `fields`; a corrupted entry is rebuilt."""
+        """Find or create the entry for `fields`; a corrupted entry is rebuilt. Waits while
+        another process compiles into it, then reuses what that process sealed."""
         path = (root or compile_root()) / cache_key(fields)
-        reused = False
+        lock = EntryLock(path)
+        lock.shared(lambda owner: _log_wait(path, owner))
+        if _verify(path) is None:
+            return cls(path, fields, True, lock)
+        lock.exclusive(lambda owner: _log_wait(path, owner))
+        problem = _verify(path)  # another process may have compiled it while this one waited
+        if problem is None:
+            lock.shared()
+            return cls(path, fields, True, lock)
         if path.exists():
-            problem = _verify(path)
-            if problem is None:
-                reused = True
-            else:
-                logger.warning(
-                    "compile cache entry %s is corrupted (%s): rebuilding it", path, problem
-                )
-                shutil.rmtree(path, ignore_errors=True)
+            logger.warning("compile cache entry %s is corrupted (%s): rebuilding it", path, problem)
+            shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
-        return cls(path, fields, reused)
+        lock.record_owner()
+        return cls(path, fields, False, lock)
 
     def activate(self) -> None:
         """Point Inductor and Triton at this entry (process-wide: one process, one model)."""
@@ -135,6 +143,24 @@ class CompileCacheEntry:
         with os.fdopen(fd, "w") as f:
             json.dump(manifest, f, indent=1, default=str)
         os.replace(tmp, self.path / MANIFEST)
+        self.release()
+
+    def release(self) -> None:
+        """Let other processes rebuild or clear the entry: after sealing it, or when a boot
+        fails before it could (an unsealed entry is then rebuilt by whoever opens it next)."""
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
+
+
+def _log_wait(path: Path, owner: str) -> None:
+    logger.warning(
+        "compile cache entry %s is locked by another kiln process booting this configuration "
+        "(the last to compile it: %s): waiting for it, then reusing what it compiled (give "
+        "this process its own KILN_CACHE_DIR to compile separately)",
+        path,
+        owner,
+    )
 
 
 def _sha(path: Path) -> str:
@@ -158,15 +184,25 @@ def _verify(path: Path) -> str | None:
     return None
 
 
+def _entry_dirs(root: Path) -> list[Path]:
+    if not root.exists():
+        return []
+    return sorted(p for p in root.iterdir() if p.is_dir() and p.name != LOCKS_DIR)
+
+
 def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
-    root = root or compile_root()
+    """Every entry with its size, state and key fields; `compiling` names the process that is
+    compiling into it now (such an entry has no manifest yet and is not corrupted)."""
     rows = []
-    for path in sorted(root.glob("*")) if root.exists() else []:
+    for path in _entry_dirs(root or compile_root()):
         size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        problem = _verify(path)
+        lock = EntryLock(path)
+        compiling = lock.owner() if lock.held_exclusively_elsewhere() else None
+        lock.release()
+        problem = None if compiling else _verify(path)
         fields: dict[str, Any] = {}
         created = None
-        if problem is None:
+        if problem is None and not compiling:
             manifest = json.loads((path / MANIFEST).read_text())
             fields, created = manifest.get("fields", {}), manifest.get("created")
         rows.append(
@@ -176,6 +212,7 @@ def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
                 "bytes": size,
                 "valid": problem is None,
                 "problem": problem,
+                "compiling": compiling,
                 "created": created,
                 "fields": fields,
             }
@@ -183,12 +220,26 @@ def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
     return rows
 
 
-def clear_entries(key: str | None = None, root: Path | None = None) -> int:
+@dataclass
+class ClearResult:
+    removed: list[str] = field(default_factory=list)
+    in_use: dict[str, str] = field(default_factory=dict)  # key -> the process using it
+
+
+def clear_entries(key: str | None = None, root: Path | None = None) -> ClearResult:
+    """Remove entries (all, or the one named), except those a running process is compiling
+    into or booting from: deleting those under it is how a shared cache breaks."""
     root = root or compile_root()
-    targets = [root / key] if key else (list(root.glob("*")) if root.exists() else [])
-    removed = 0
+    targets = [root / key] if key else _entry_dirs(root)
+    result = ClearResult()
     for path in targets:
-        if path.exists():
+        if not path.is_dir():
+            continue
+        lock = EntryLock(path)
+        if lock.try_exclusive():
             shutil.rmtree(path)
-            removed += 1
-    return removed
+            result.removed.append(path.name)
+        else:
+            result.in_use[path.name] = lock.owner()
+        lock.release()
+    return result
