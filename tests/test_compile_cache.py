@@ -14,10 +14,12 @@ import torch
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.cache import (
+    MANIFEST,
     CompileCacheEntry,
     cache_key,
     cache_key_fields,
     clear_entries,
+    kiln_source_hash,
     list_entries,
     open_for_plan,
 )
@@ -260,10 +262,44 @@ def test_activate_points_inductor_inside_the_entry(tmp_path, monkeypatch):
     assert os.environ["TRITON_CACHE_DIR"].startswith(str(entry.path))
 
 
+def test_stale_entries_are_told_apart_and_cleared_alone(tmp_path):
+    """A kiln or torch upgrade keys new entries; the old ones can never load again."""
+    current = {**BASE, "source_hash": kiln_source_hash()}
+    entries = {
+        "current": CompileCacheEntry.open(cache_key_fields(**current), tmp_path),
+        "old kiln": CompileCacheEntry.open(cache_key_fields(**BASE), tmp_path),
+        "old torch": CompileCacheEntry.open(
+            {**cache_key_fields(**current), "torch": "2.0.0"}, tmp_path
+        ),
+        "corrupted": CompileCacheEntry.open(
+            cache_key_fields(**{**current, "dtype": "bfloat16"}), tmp_path
+        ),
+    }
+    for entry in entries.values():
+        entry.seal()
+    (entries["corrupted"].path / MANIFEST).write_text("{truncated")
+    names = {entry.path.name: name for name, entry in entries.items()}
+    stale = {names[row["key"]]: row["stale"] for row in list_entries(tmp_path)}
+    assert stale.pop("corrupted").startswith("corrupted: unreadable manifest")
+    assert stale == {
+        "current": None,
+        "old kiln": "built by another version of kiln's source",
+        "old torch": f"built by torch 2.0.0, this is {torch.__version__}",
+    }
+    removed = clear_entries(root=tmp_path, only_stale=True).removed
+    assert sorted(names[k] for k in removed) == ["corrupted", "old kiln", "old torch"]
+    assert [row["key"] for row in list_entries(tmp_path)] == [entries["current"].path.name]
+
+
 def test_cli_ls_and_clear(tmp_path):
     env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path)}
-    entry = CompileCacheEntry.open(cache_key_fields(**BASE), tmp_path / "compile")
+    root = tmp_path / "compile"
+    current = {**BASE, "source_hash": kiln_source_hash()}
+    entry = CompileCacheEntry.open(cache_key_fields(**current), root)
     entry.seal()
+    stale = CompileCacheEntry.open(cache_key_fields(**BASE), root)
+    stale.seal()
+    compiling = CompileCacheEntry.open(cache_key_fields(**{**current, "dtype": "bfloat16"}), root)
 
     def kiln(*args):
         return subprocess.run(
@@ -274,19 +310,21 @@ def test_cli_ls_and_clear(tmp_path):
             timeout=120,
         )
 
-    compiling = CompileCacheEntry.open(
-        cache_key_fields(**{**BASE, "dtype": "bfloat16"}), tmp_path / "compile"
-    )
     out = kiln("ls")
-    assert out.returncode == 0 and entry.path.name in out.stdout and "ok" in out.stdout
-    assert "FULL_AND_PIECEWISE" in out.stdout
-    assert (
-        f"{compiling.path.name}" in out.stdout and f"COMPILING (by pid {os.getpid()} " in out.stdout
-    )
-    assert len(list_entries(tmp_path / "compile")) == 2
+    lines = {line.split()[0]: line for line in out.stdout.splitlines()}
+    assert out.returncode == 0 and "  ok  " in lines[entry.path.name]
+    assert "FULL_AND_PIECEWISE" in lines[entry.path.name]
+    assert f"COMPILING (by pid {os.getpid()} " in lines[compiling.path.name]
+    assert "STALE (built by another version of kiln's source)" in lines[stale.path.name]
+    assert "1 of 3 entries" in out.stdout and "kiln cache clear --stale" in out.stdout
+    out = kiln("clear", "--stale")
+    assert out.returncode == 0 and "removed 1 stale" in out.stdout and not stale.path.exists()
     out = kiln("clear")
     assert out.returncode == 1 and "removed 1" in out.stdout
     assert f"kept {compiling.path.name}" in out.stdout and "again once it has booted" in out.stdout
+    out = kiln("clear", "0123456789abcdef0123")
+    assert out.returncode == 2 and "no entry 0123456789abcdef0123" in out.stderr
+    assert "Traceback" not in out.stderr
     compiling.seal()
     out = kiln("clear")
     assert out.returncode == 0 and "removed 1" in out.stdout

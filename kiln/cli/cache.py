@@ -1,4 +1,4 @@
-"""`kiln cache ls | clear [KEY]`."""
+"""`kiln cache ls | clear [KEY] [--stale]`."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ def _describe(fields: dict) -> str:
 
 def run_cache(args: argparse.Namespace) -> int:
     if args.action == "clear":
-        result = clear_entries(args.key)
+        result = clear_entries(args.key, only_stale=args.stale)
         n = len(result.removed)
-        print(f"removed {n} compile cache entr{'y' if n == 1 else 'ies'} from {compile_root()}")
+        what = "stale compile cache entr" if args.stale else "compile cache entr"
+        print(f"removed {n} {what}{'y' if n == 1 else 'ies'} from {compile_root()}")
         for key, owner in result.in_use.items():
             print(
                 f"kept {key}: a running kiln process is compiling or loading it (last compiled "
@@ -41,7 +42,16 @@ def run_cache(args: argparse.Namespace) -> int:
         state = "ok" if r["valid"] else f"CORRUPTED ({r['problem']})"
         if r["compiling"]:
             state = f"COMPILING (by {r['compiling']})"
+        elif r["valid"] and r["stale"]:
+            state = f"STALE ({r['stale']})"
         print(
             f"{r['key']}  {r['bytes'] / 2**20:8.1f} MiB  {when}  {state}  {_describe(r['fields'])}"
+        )
+    stale = [r for r in rows if r["stale"]]
+    if stale:
+        mib = sum(r["bytes"] for r in stale) / 2**20
+        print(
+            f"{len(stale)} of {len(rows)} entries ({mib:.1f} MiB) can never be loaded by this "
+            "installation: `kiln cache clear --stale` removes them"
         )
     return 0

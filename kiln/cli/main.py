@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
     cache = sub.add_parser("cache", help="the compile cache: list or clear its entries")
     cache.add_argument("action", choices=["ls", "clear"])
     cache.add_argument("key", nargs="?", help="clear only this entry")
+    cache.add_argument(
+        "--stale",
+        action="store_true",
+        help="clear only the entries this installation can never load (built by another kiln "
+        "source or torch version, or corrupted)",
+    )
     cache.set_defaults(func=cmd_cache)
     return parser
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from kiln.compilation.cache_lock import LOCKS_DIR, EntryLock
+from kiln.errors import ConfigError
 from kiln.paths import kiln_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -190,34 +191,48 @@ def _entry_dirs(root: Path) -> list[Path]:
     return sorted(p for p in root.iterdir() if p.is_dir() and p.name != LOCKS_DIR)
 
 
+def stale_reason(fields: dict[str, Any], source_hash: str) -> str | None:
+    """Why this installation can never load an entry keyed by `fields` (None: it may)."""
+    if fields.get("torch") != torch.__version__:
+        return f"built by torch {fields.get('torch')}, this is {torch.__version__}"
+    if fields.get("kiln_source") != source_hash:
+        return "built by another version of kiln's source"
+    return None
+
+
 def list_entries(root: Path | None = None) -> list[dict[str, Any]]:
-    """Every entry with its size, state and key fields; `compiling` names the process that is
-    compiling into it now (such an entry has no manifest yet and is not corrupted)."""
-    rows = []
-    for path in _entry_dirs(root or compile_root()):
-        size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        lock = EntryLock(path)
-        compiling = lock.owner() if lock.held_exclusively_elsewhere() else None
-        lock.release()
-        problem = None if compiling else _verify(path)
-        fields: dict[str, Any] = {}
-        created = None
-        if problem is None and not compiling:
-            manifest = json.loads((path / MANIFEST).read_text())
-            fields, created = manifest.get("fields", {}), manifest.get("created")
-        rows.append(
-            {
-                "key": path.name,
-                "path": str(path),
-                "bytes": size,
-                "valid": problem is None,
-                "problem": problem,
-                "compiling": compiling,
-                "created": created,
-                "fields": fields,
-            }
-        )
-    return rows
+    """Every entry with its size, state and key fields. `compiling` names the process that is
+    compiling into it now (such an entry has no manifest yet and is not corrupted); `stale`
+    says why this installation can never load it (a kiln or torch upgrade keys new entries and
+    leaves the old ones behind), corrupted entries included."""
+    source_hash = kiln_source_hash()
+    return [_describe_entry(path, source_hash) for path in _entry_dirs(root or compile_root())]
+
+
+def _describe_entry(path: Path, source_hash: str) -> dict[str, Any]:
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    lock = EntryLock(path)
+    compiling = lock.owner() if lock.held_exclusively_elsewhere() else None
+    lock.release()
+    problem = None if compiling else _verify(path)
+    fields: dict[str, Any] = {}
+    created = None
+    stale = None if compiling else f"corrupted: {problem}"
+    if problem is None and not compiling:
+        manifest = json.loads((path / MANIFEST).read_text())
+        fields, created = manifest.get("fields", {}), manifest.get("created")
+        stale = stale_reason(fields, source_hash)
+    return {
+        "key": path.name,
+        "path": str(path),
+        "bytes": size,
+        "valid": problem is None,
+        "problem": problem,
+        "compiling": compiling,
+        "stale": stale,
+        "created": created,
+        "fields": fields,
+    }
 
 
 @dataclass
@@ -226,15 +241,22 @@ class ClearResult:
     in_use: dict[str, str] = field(default_factory=dict)  # key -> the process using it
 
 
-def clear_entries(key: str | None = None, root: Path | None = None) -> ClearResult:
-    """Remove entries (all, or the one named), except those a running process is compiling
-    into or booting from: deleting those under it is how a shared cache breaks."""
+def clear_entries(
+    key: str | None = None, root: Path | None = None, only_stale: bool = False
+) -> ClearResult:
+    """Remove entries (all, the one named, or the stale ones), except those a running process
+    is compiling into or booting from: deleting those under it is how a shared cache breaks."""
     root = root or compile_root()
     targets = [root / key] if key else _entry_dirs(root)
+    if key and not targets[0].is_dir():
+        raise ConfigError(
+            f"the compile cache at {root} has no entry {key}: `kiln cache ls` lists them"
+        )
+    if only_stale:
+        source_hash = kiln_source_hash()
+        targets = [p for p in targets if _describe_entry(p, source_hash)["stale"]]
     result = ClearResult()
     for path in targets:
-        if not path.is_dir():
-            continue
         lock = EntryLock(path)
         if lock.try_exclusive():
             shutil.rmtree(path)

@@ -8,7 +8,11 @@ what it sealed. The locks are `flock`s, which the kernel drops when their proces
 left without a manifest and without a holder is a compilation that crashed, and is rebuilt.
 
 Lock files live in `<root>/.locks/` and are never deleted: removing one while another process
-waits on it would let a third create a new file and lock it too, two owners of one entry."""
+waits on it would let a third create a new file and lock it too, two owners of one entry.
+
+Processes that must boot in step (tensor-parallel ranks, whose warm-up runs collectives) need
+entries of their own, keyed by rank as vLLM's rank_i_j directories are: sharing one, a rank
+would wait on this lock while the rank holding it waits on the first rank's collectives."""
 
 from __future__ import annotations
 
