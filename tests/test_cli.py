@@ -47,6 +47,65 @@ def test_info_prints_architecture_and_config():
         assert word in res.stdout
 
 
+def test_dotted_compilation_flags_fold_into_the_json():
+    """vLLM's `-O.field=value`, `--compilation-config.field value` and `field+` list items,
+    merged over the JSON value, in any order."""
+    from kiln.cli.dotted_args import merge_dotted, split_dotted
+    from kiln.compilation import CompilationConfig
+
+    argv = [
+        "info",
+        "-O",
+        '{"mode": 3, "cudagraph_capture_sizes": [1]}',
+        "-O.cudagraph_capture_sizes+=2,4",
+        "--compilation-config.cudagraph_mode",
+        "FULL_DECODE_ONLY",
+        "--max-num-seqs",
+        "8",
+        "-O.cudagraph_capture_sizes+",
+        "16",
+        "-O.splitting_ops=[]",
+    ]
+    rest, dotted = split_dotted(argv)
+    assert rest == [
+        "info",
+        "-O",
+        '{"mode": 3, "cudagraph_capture_sizes": [1]}',
+        "--max-num-seqs",
+        "8",
+    ]
+    config = CompilationConfig.from_json(merge_dotted(rest[2], dotted))
+    assert config == CompilationConfig(
+        mode=3,
+        cudagraph_mode="FULL_DECODE_ONLY",
+        cudagraph_capture_sizes=(1, 2, 4, 16),
+        splitting_ops=(),
+    )
+    _, dotted = split_dotted(["-O.mode=3"])
+    assert CompilationConfig.from_json(merge_dotted(None, dotted)).mode == 3
+
+
+def test_dotted_compilation_flags_from_the_command_line():
+    res = _kiln("info", "-O.level=0", "-O.cudagraph_mode=PIECEWISE", "--kv-cache-memory", "512MiB")
+    assert res.returncode == 0, res.stderr
+    (row,) = [line for line in res.stdout.splitlines() if line.startswith("cudagraph_mode")]
+    assert row.split()[1:] == ["PIECEWISE", "NONE"]  # requested, resolved (no graphs on a CPU)
+    assert "'level' is vLLM's name for 'mode'" in res.stderr
+    for args, words in [
+        (["-O.mode", "--kv-cache-memory", "512MiB"], "-O.mode needs a value"),
+        (["-O.=3"], "name a field after the dot"),
+        (
+            ["-O.pass_config.enable_fusion=true"],
+            "unknown --compilation-config fields ['pass_config']",
+        ),
+        (["-O.mode=2"], "vLLM's DYNAMO_TRACE_ONCE) is not supported"),
+    ]:
+        res = _kiln("info", *args)
+        assert res.returncode == 2 and words in res.stderr and "Traceback" not in res.stderr
+    res = _kiln("cache", "ls", "-O.mode=3")
+    assert res.returncode == 2 and "kiln cache takes no compilation config" in res.stderr
+
+
 def test_chat_is_multi_turn():
     res = _kiln(
         "chat",

@@ -208,9 +208,33 @@ def test_config_parsing_errors():
         ("{mode: 3}", "JSON"),
         ('{"cudagraph_capture_sizes": [0]}', ">= 1"),
         ("[3]", "object"),
+        # JSON true is a Python int: it must not pass for mode 1 or a capture size of 1
+        ('{"mode": true}', "as a number or vLLM's names"),
+        ('{"cudagraph_capture_sizes": [true, 2]}', "list of integers"),
+        ('{"max_cudagraph_capture_size": true}', "integer >= 1"),
+        # a lone value where a list belongs (iterated, a string was read letter by letter)
+        ('{"cudagraph_capture_sizes": 4}', r"e.g. \[1, 2, 4, 8\], got 4"),
+        ('{"splitting_ops": "kiln.torch_paged_attention"}', "must be a list of op names"),
+        ('{"splitting_ops": 5}', "must be a list of op names"),
+        ('{"debug_contiguity": "yes"}', "true or false"),
+        ('{"mode": "STOCK_TORCH_COMPILE"}', "vLLM's STOCK_TORCH_COMPILE"),
+        ('{"mode": "3"}', "as a number or vLLM's names"),
+        ('{"level": 3, "mode": 0}', "keep only mode"),
     ]:
         with pytest.raises(ConfigError, match=words):
             CompilationConfig.from_json(bad)
+
+
+def test_vllm_spellings_of_the_mode_carry_over(caplog):
+    """Launchers written for vLLM pass its mode names, its pre-v0.11 field `level`, or a bare
+    integer through the Python API."""
+    for spelling, mode in [("VLLM_COMPILE", 3), ("none", 0), ("NO_COMPILATION", 0)]:
+        assert CompilationConfig(mode=spelling).mode == mode
+    assert CompilationConfig.from_json(3) == CompilationConfig(mode=3)
+    with caplog.at_level(logging.WARNING):
+        assert CompilationConfig.from_json('{"level": 3}') == CompilationConfig(mode=3)
+        assert CompilationConfig.from_json({"level": "PIECEWISE", "mode": 3}).mode == 3
+    assert caplog.text.count("'level' is vLLM's name for 'mode'") == 2
 
 
 def test_dispatcher():

@@ -8,8 +8,9 @@ import logging
 import sys
 from collections.abc import Callable
 
+from kiln.cli.dotted_args import DottedField, merge_dotted, split_dotted
 from kiln.cli.engine_args import add_engine_args, add_sampling_args, engine_kwargs, sampling_params
-from kiln.errors import KilnError
+from kiln.errors import ConfigError, KilnError
 
 
 def _model_arg(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +54,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from kiln.cli.cache import run_cache
 
     return run_cache(args)
+
+
+def _with_dotted(args: argparse.Namespace, dotted: list[DottedField]) -> str | None:
+    if not hasattr(args, "compilation_config"):
+        raise ConfigError(f"kiln {args.command} takes no compilation config ({dotted[0].flag})")
+    return merge_dotted(args.compilation_config, dotted)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -103,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        argv, dotted = split_dotted(sys.argv[1:] if argv is None else argv)
+    except KilnError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     args = build_parser().parse_args(argv)
     logging.basicConfig(
         level=logging.INFO if args.verbose else logging.WARNING,
@@ -110,6 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     func: Callable[[argparse.Namespace], int] = args.func
     try:
+        if dotted:
+            args.compilation_config = _with_dotted(args, dotted)
         return func(args)
     except KilnError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import enum
 import json
+import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from kiln.errors import ConfigError
+
+logger = logging.getLogger(__name__)
 
 
 class CUDAGraphMode(enum.Enum):
@@ -31,11 +34,63 @@ class CUDAGraphMode(enum.Enum):
 
 
 COMPILATION_MODES = (0, 3)
+# vLLM's names for its modes (CompilationMode, v0.11+) and for its levels before that
+# (CompilationLevel): launchers carry either
+MODE_NAMES = {
+    "NONE": 0,
+    "STOCK_TORCH_COMPILE": 1,
+    "DYNAMO_TRACE_ONCE": 2,
+    "VLLM_COMPILE": 3,
+    "NO_COMPILATION": 0,
+    "DYNAMO_AS_IS": 1,
+    "DYNAMO_ONCE": 2,
+    "PIECEWISE": 3,
+}
 
 
 def qualified_op_name(name: str) -> str:
     """vLLM spells ops "namespace.name"; torch's schema names are "namespace::name"."""
     return name if "::" in name else name.replace(".", "::", 1)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not a 1
+
+
+def parse_mode(value: Any) -> int:
+    """0 or 3, given as the number or as vLLM's name for it."""
+    mode = MODE_NAMES.get(value.upper()) if isinstance(value, str) else value
+    if not _is_int(mode):
+        raise ConfigError(
+            f"compilation mode must be 0 (eager) or 3 (compiled), as a number or vLLM's names "
+            f"NONE / VLLM_COMPILE, got {value!r}"
+        )
+    if mode not in COMPILATION_MODES:
+        vllm_name = next((n for n, m in MODE_NAMES.items() if m == mode), None)
+        known_as = f" (vLLM's {vllm_name})" if vllm_name else ""
+        raise ConfigError(
+            f"compilation mode {value!r}{known_as} is not supported: use 0 (eager) or 3 "
+            "(compiled, kiln's split backend)"
+        )
+    return mode
+
+
+def _parse_sizes(sizes: Any) -> tuple[int, ...]:
+    if not isinstance(sizes, (list, tuple)) or not all(_is_int(s) and s >= 1 for s in sizes):
+        raise ConfigError(
+            f"cudagraph_capture_sizes must be a list of integers >= 1, e.g. [1, 2, 4, 8], "
+            f"got {sizes!r}"
+        )
+    return tuple(sorted(set(sizes)))
+
+
+def _parse_ops(ops: Any) -> tuple[str, ...]:
+    if not isinstance(ops, (list, tuple)) or not all(isinstance(s, str) for s in ops):
+        raise ConfigError(
+            f'splitting_ops must be a list of op names, e.g. ["kiln.torch_paged_attention"] '
+            f"(or [] for one graph), got {ops!r}"
+        )
+    return tuple(qualified_op_name(s) for s in ops)
 
 
 @dataclass(frozen=True)
@@ -48,55 +103,74 @@ class CompilationConfig:
     debug_contiguity: bool = False  # check every tensor at a split boundary (tests)
 
     def __post_init__(self) -> None:
-        if self.mode is not None and self.mode not in COMPILATION_MODES:
-            raise ConfigError(
-                f"compilation mode {self.mode!r} is not supported: use 0 (eager) or 3 (compiled)"
-            )
-        if self.cudagraph_mode is not None:
-            object.__setattr__(self, "cudagraph_mode", CUDAGraphMode.parse(self.cudagraph_mode))
-        sizes = self.cudagraph_capture_sizes
-        if sizes is not None:
-            if not all(isinstance(s, int) and s >= 1 for s in sizes):
-                raise ConfigError(f"cudagraph_capture_sizes must be integers >= 1, got {sizes!r}")
-            object.__setattr__(self, "cudagraph_capture_sizes", tuple(sorted(set(sizes))))
+        parsed = {
+            "mode": parse_mode,
+            "cudagraph_mode": CUDAGraphMode.parse,
+            "cudagraph_capture_sizes": _parse_sizes,
+            "splitting_ops": _parse_ops,
+        }
+        for name, parse in parsed.items():
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, parse(getattr(self, name)))
         cap = self.max_cudagraph_capture_size
-        if cap is not None and (not isinstance(cap, int) or cap < 1):
+        if cap is not None and (not _is_int(cap) or cap < 1):
             raise ConfigError(f"max_cudagraph_capture_size must be an integer >= 1, got {cap!r}")
-        if self.splitting_ops is not None:
-            if not all(isinstance(s, str) for s in self.splitting_ops):
-                raise ConfigError(f"splitting_ops must be op names, got {self.splitting_ops!r}")
-            names = tuple(qualified_op_name(s) for s in self.splitting_ops)
-            object.__setattr__(self, "splitting_ops", names)
+        if not isinstance(self.debug_contiguity, bool):
+            raise ConfigError(
+                f"debug_contiguity must be true or false, got {self.debug_contiguity!r}"
+            )
 
     @classmethod
-    def from_json(cls, text: str | dict[str, Any] | None) -> CompilationConfig:
+    def from_json(cls, text: str | int | dict[str, Any] | None) -> CompilationConfig:
         """Parse `--compilation-config` (a JSON object) or a dict. A bare integer is the mode,
-        as in vLLM (`-O3`)."""
+        as in vLLM (`-O3`); vLLM's old name `level` is read as `mode`, with a warning."""
         if text is None:
             return cls()
-        if isinstance(text, dict):
-            data = text
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"--compilation-config is not valid JSON: {exc}") from None
-        if isinstance(data, int):
-            data = {"mode": data}
-        if not isinstance(data, dict):
-            raise ConfigError("--compilation-config must be a JSON object, e.g. '{\"mode\": 3}'")
+        if _is_int(text):
+            text = {"mode": text}
+        data = _level_as_mode(text if isinstance(text, dict) else compilation_data(str(text)))
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
             raise ConfigError(
                 f"unknown --compilation-config fields {unknown}; known: {sorted(known)}"
             )
-        for key in ("cudagraph_capture_sizes", "splitting_ops"):
-            if isinstance(data.get(key), list):
-                data = {**data, key: tuple(data[key])}
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cudagraph_mode"] = self.cudagraph_mode.value if self.cudagraph_mode else None
         return d
+
+
+def compilation_data(text: str) -> dict[str, Any]:
+    """`--compilation-config`'s JSON as a dict of fields (a bare integer is the mode)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"--compilation-config is not valid JSON: {exc}") from None
+    if _is_int(data):
+        return {"mode": data}
+    if not isinstance(data, dict):
+        raise ConfigError("--compilation-config must be a JSON object, e.g. '{\"mode\": 3}'")
+    return data
+
+
+def _level_as_mode(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM before v0.11 called `mode` `level` (same numbers), and launchers still pass it."""
+    if "level" not in data:
+        return data
+    data = dict(data)
+    level = data.pop("level")
+    if "mode" in data and parse_mode(data["mode"]) != parse_mode(level):
+        raise ConfigError(
+            f"--compilation-config gives level {level!r} and mode {data['mode']!r}; level is "
+            "vLLM's old name for mode: keep only mode"
+        )
+    logger.warning(
+        "--compilation-config: 'level' is vLLM's name for 'mode' before v0.11; kiln reads "
+        'level %r as mode (write "mode" to silence this warning)',
+        level,
+    )
+    data.setdefault("mode", level)
+    return data
