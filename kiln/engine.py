@@ -209,7 +209,12 @@ class LLMEngine:
         model = self.model_config.to_dict()
         entry = open_for_plan(self.plan.to_dict(), model, self.config.dtype, self.device)
         entry.activate()  # Inductor's and Triton's caches point into it from now on
-        logger.info("compile cache %s (%s)", entry.path, "reused" if entry.reused else "new")
+        logger.info(
+            "compile cache %s (%s; waited %.1f s for other processes)",
+            entry.path,
+            "reused" if entry.reused else "new",
+            entry.waited_s,
+        )
         return entry
 
     def _input_buffers(self) -> InputBuffers:

@@ -146,7 +146,7 @@ entry = CompileCacheEntry.open(json.loads(sys.argv[1]), Path(sys.argv[2]))
 if sys.argv[3] == "crash":
     (entry.path / "partial.py").write_text("half a kernel")
     os._exit(3)
-print(json.dumps({"reused": entry.reused}))
+print(json.dumps({"reused": entry.reused, "waited": entry.waited_s > 0}))
 """
 
 
@@ -182,7 +182,7 @@ def test_a_second_process_waits_for_the_compilation_and_reuses_it(tmp_path):
     builder.seal()
     out, err = other.communicate(timeout=120)
     assert other.returncode == 0, err
-    assert json.loads(out) == {"reused": True}
+    assert json.loads(out) == {"reused": True, "waited": True}
     assert artifact.read_text() == "compiled code" and "corrupted" not in err
 
 
@@ -194,6 +194,7 @@ def test_a_compilation_whose_process_died_is_rebuilt_without_waiting(tmp_path, c
         entry = CompileCacheEntry.open(fields, tmp_path)  # the kernel dropped the dead one's lock
     assert not entry.reused and not (entry.path / "partial.py").exists()
     assert "did not finish" in caplog.text and "waiting" not in caplog.text
+    assert entry.waited_s == 0.0
     entry.release()
 
 

@@ -105,6 +105,7 @@ class CompileCacheEntry:
     fields: dict[str, Any]
     reused: bool
     lock: EntryLock | None = field(default=None, repr=False)  # held from open to seal
+    waited_s: float = 0.0  # for another process compiling this configuration
 
     @classmethod
     def open(cls, fields: dict[str, Any], root: Path | None = None) -> CompileCacheEntry:
@@ -112,20 +113,24 @@ class CompileCacheEntry:
         another process compiles into it, then reuses what that process sealed."""
         path = (root or compile_root()) / cache_key(fields)
         lock = EntryLock(path)
-        lock.shared(lambda owner: _log_wait(path, owner))
+        waited = lock.shared(lambda owner: _log_wait(path, owner))
         if _verify(path) is None:
-            return cls(path, fields, True, lock)
-        lock.exclusive(lambda owner: _log_wait(path, owner))
+            return cls(path, fields, True, lock, waited)
+        waited += lock.exclusive(lambda owner: _log_wait(path, owner))
         problem = _verify(path)  # another process may have compiled it while this one waited
         if problem is None:
             lock.shared()
-            return cls(path, fields, True, lock)
+            return cls(path, fields, True, lock, waited)
         if path.exists():
             logger.warning("compile cache entry %s is corrupted (%s): rebuilding it", path, problem)
             shutil.rmtree(path, ignore_errors=True)
         path.mkdir(parents=True, exist_ok=True)
         lock.record_owner()
-        return cls(path, fields, False, lock)
+        return cls(path, fields, False, lock, waited)
+
+    def to_dict(self) -> dict[str, Any]:
+        """What `/v1/engine` shows: where, whether reused, how long boot waited for it."""
+        return {"path": str(self.path), "reused": self.reused, "waited_s": self.waited_s}
 
     def activate(self) -> None:
         """Point Inductor and Triton at this entry (process-wide: one process, one model)."""

@@ -48,14 +48,15 @@ class EntryLock:
         self.mode: int | None = None
         self.unsupported = False  # a filesystem without flock: warned about, then unlocked
 
-    def shared(self, on_wait: Callable[[str], None] | None = None) -> None:
-        self._acquire(fcntl.LOCK_SH, on_wait)
+    def shared(self, on_wait: Callable[[str], None] | None = None) -> float:
+        """Seconds spent waiting for it (0.0 when nobody held it)."""
+        return self._acquire(fcntl.LOCK_SH, on_wait)
 
-    def exclusive(self, on_wait: Callable[[str], None] | None = None) -> None:
+    def exclusive(self, on_wait: Callable[[str], None] | None = None) -> float:
         """Drops a shared lock first: two processes upgrading at once must not wait on each
         other's shared locks."""
         self.unlock()
-        self._acquire(fcntl.LOCK_EX, on_wait)
+        return self._acquire(fcntl.LOCK_EX, on_wait)
 
     def try_exclusive(self) -> bool:
         return self._try(fcntl.LOCK_EX)
@@ -86,13 +87,15 @@ class EntryLock:
             self.file.close()
             self.file = None
 
-    def _acquire(self, mode: int, on_wait: Callable[[str], None] | None) -> None:
+    def _acquire(self, mode: int, on_wait: Callable[[str], None] | None) -> float:
         if self._try(mode):
-            return
+            return 0.0
+        t0 = time.monotonic()
         if on_wait is not None:
             on_wait(self.owner())
         while not self._try(mode):
             time.sleep(POLL_S)
+        return time.monotonic() - t0
 
     def _try(self, mode: int) -> bool:
         try:
