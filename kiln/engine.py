@@ -25,7 +25,6 @@ from kiln.compilation.plan import (
     resolve_graph_plan,
 )
 from kiln.config import EngineConfig
-from kiln.detokenizer import IncrementalDetokenizer
 from kiln.errors import ConfigError, EngineClosedError, InvalidRequestError
 from kiln.graph_boot import GraphBoot, device_caps, graph_backend_for
 from kiln.input_buffers import InputBuffers
@@ -37,7 +36,7 @@ from kiln.models import build_model
 from kiln.models.weights import load_weights
 from kiln.output_processor import OutputProcessor
 from kiln.outputs import RequestMetrics, RequestOutput
-from kiln.request import Request, validate_prompt
+from kiln.request import Request, new_sequences, validate_prompt
 from kiln.sampler import SamplingBatch, sample
 from kiln.sampling_params import SamplingParams
 from kiln.scheduler import Scheduler
@@ -301,41 +300,12 @@ class LLMEngine:
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
         metrics = RequestMetrics(arrival_time or time.monotonic())
-        seqs = [self._new_sequence(request_id, i, ids, params, metrics) for i in range(params.n)]
+        seqs = new_sequences(
+            request_id, ids, params, metrics, self.tokenizer.backend, self.device, self.seq_ids
+        )
         self.requests[request_id] = Request(request_id, text, ids, params, seqs, metrics)
         for seq in seqs:
             self.scheduler.add(seq)
-
-    def _new_sequence(
-        self,
-        request_id: str,
-        index: int,
-        ids: list[int],
-        params: SamplingParams,
-        metrics: RequestMetrics,
-    ) -> Sequence:
-        generator = None
-        if params.seed is not None:
-            # any int64 seed, and seed + index for the n-th completion, maps into torch's range
-            generator = torch.Generator(self.device).manual_seed((params.seed + index) % 2**63)
-        detok = IncrementalDetokenizer(
-            self.tokenizer.backend,
-            params.stop,
-            params.skip_special_tokens,
-            params.include_stop_str_in_output,
-        )
-        seq_metrics = metrics if index == 0 else RequestMetrics(metrics.arrival_time)
-        return Sequence(
-            self.seq_ids.next(),
-            request_id,
-            index,
-            list(ids),
-            len(ids),
-            params,
-            detok,
-            seq_metrics,
-            generator,
-        )
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its KV blocks. Unknown ids are ignored."""
