@@ -76,44 +76,33 @@ def new_sequences(
 ) -> list[Sequence]:
     """The request's n sequences, each with its own detokenizer and, for a seeded request, its
     own generator; the first shares the request's metrics."""
-    return [
-        _new_sequence(request_id, i, ids, params, metrics, tokenizer_backend, device, seq_ids)
-        for i in range(params.n)
-    ]
-
-
-def _new_sequence(
-    request_id: str,
-    index: int,
-    ids: list[int],
-    params: SamplingParams,
-    metrics: RequestMetrics,
-    tokenizer_backend: Any,
-    device: torch.device,
-    seq_ids: SequenceCounter,
-) -> Sequence:
-    generator = None
-    if params.seed is not None:
-        # any int64 seed, and seed + index for the n-th completion, maps into torch's range
-        generator = torch.Generator(device).manual_seed((params.seed + index) % 2**63)
-    detok = IncrementalDetokenizer(
-        tokenizer_backend,
-        params.stop,
-        params.skip_special_tokens,
-        params.include_stop_str_in_output,
-    )
-    seq_metrics = metrics if index == 0 else RequestMetrics(metrics.arrival_time)
-    return Sequence(
-        seq_ids.next(),
-        request_id,
-        index,
-        list(ids),
-        len(ids),
-        params,
-        detok,
-        seq_metrics,
-        generator,
-    )
+    seqs = []
+    for index in range(params.n):
+        generator = None
+        if params.seed is not None:
+            # any int64 seed, and seed + index for the n-th completion, maps into torch's range
+            generator = torch.Generator(device).manual_seed((params.seed + index) % 2**63)
+        detok = IncrementalDetokenizer(
+            tokenizer_backend,
+            params.stop,
+            params.skip_special_tokens,
+            params.include_stop_str_in_output,
+        )
+        seq_metrics = metrics if index == 0 else RequestMetrics(metrics.arrival_time)
+        seqs.append(
+            Sequence(
+                seq_ids.next(),
+                request_id,
+                index,
+                list(ids),
+                len(ids),
+                params,
+                detok,
+                seq_metrics,
+                generator,
+            )
+        )
+    return seqs
 
 
 def _completion(seq: Sequence) -> CompletionOutput:
