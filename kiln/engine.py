@@ -15,7 +15,7 @@ from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
 from kiln.boot import BootPhases
 from kiln.compilation.backend import check_splitting_ops
-from kiln.compilation.cache import CompileCacheEntry, open_for_plan
+from kiln.compilation.cache import CompileCacheEntry, check_cache_env, compile_root, open_for_plan
 from kiln.compilation.capture import CaptureStats
 from kiln.compilation.graphs import GraphBackend
 from kiln.compilation.plan import (
@@ -84,6 +84,7 @@ class LLMEngine:
         finally:
             if self.compile_cache is not None:  # sealed by now, or abandoned by a failed boot
                 self.compile_cache.release()
+                self.compile_cache.deactivate()
         self.boot_s = time.monotonic() - t0
         logger.info(
             "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
@@ -205,9 +206,10 @@ class LLMEngine:
     def _open_compile_cache(self) -> CompileCacheEntry | None:
         if self.plan.mode != 3:
             return None
+        check_cache_env(compile_root(), self.config.strict_graphs)
         model = self.model_config.to_dict()
         entry = open_for_plan(self.plan.to_dict(), model, self.config.dtype, self.device)
-        entry.activate()  # Inductor's and Triton's caches point into it from now on
+        entry.activate()  # Inductor's and Triton's caches point into it until boot ends
         logger.info(
             "compile cache %s (%s; waited %.1f s for other processes)",
             entry.path,

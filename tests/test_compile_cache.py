@@ -14,14 +14,17 @@ import torch
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.cache import (
+    CACHE_ENV,
     MANIFEST,
     CompileCacheEntry,
     cache_key,
     cache_key_fields,
+    check_cache_env,
     clear_entries,
     kiln_source_hash,
     list_entries,
     open_for_plan,
+    triton_version,
 )
 from kiln.compilation.config import CompilationConfig
 from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
@@ -67,6 +70,12 @@ def test_any_change_gives_another_directory(changes):
 def test_same_config_same_directory():
     assert _key() == _key()
     assert cache_key_fields(**BASE)["torch"]  # the torch version is part of the key
+
+
+def test_triton_keys_cuda_entries_only():
+    """Triton compiles the GPU pieces; the CPU's are C++, so a Triton upgrade leaves them be."""
+    assert cache_key_fields(**BASE)["triton"] == triton_version()
+    assert cache_key_fields(**{**BASE, "device": "cpu"})["triton"] is None
 
 
 def _plan(**requested) -> dict:
@@ -240,6 +249,8 @@ def test_a_failed_boot_lets_go_of_its_entry(tiny_models, tmp_path, monkeypatch):
     from kiln.errors import ConfigError
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    for var in CACHE_ENV:
+        monkeypatch.delenv(var, raising=False)
     failures = []
     for _ in range(2):  # the second boot would wait for the first's lock, up to its timeout
         with pytest.raises(ConfigError, match="raise --kv-cache-memory") as failed:
@@ -252,15 +263,47 @@ def test_a_failed_boot_lets_go_of_its_entry(tiny_models, tmp_path, monkeypatch):
         failures.append(failed)
     (row,) = list_entries(tmp_path / "compile")
     assert row["compiling"] is None and "did not finish" in row["problem"]
+    assert not [var for var in CACHE_ENV if var in os.environ]  # pointed into it no longer
 
 
-def test_activate_points_inductor_inside_the_entry(tmp_path, monkeypatch):
+def test_activate_points_inductor_inside_the_entry_until_boot_ends(tmp_path, monkeypatch):
+    """Boot compiles inside the entry; afterwards the environment is what it was, so a later
+    compilation (the user's own torch.compile) does not write into the sealed entry."""
     monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
-    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "users"))
     entry = CompileCacheEntry.open(cache_key_fields(**BASE), tmp_path)
     entry.activate()
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"].startswith(str(entry.path))
     assert os.environ["TRITON_CACHE_DIR"].startswith(str(entry.path))
+    entry.seal()
+    entry.deactivate()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "users")
+
+
+@pytest.mark.parametrize("var", ["TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"])
+def test_a_cache_dir_the_user_chose_is_warned_about(var, tmp_path, monkeypatch, caplog):
+    """Loud, not silent: kiln's entry replaces it while compiling; strict mode refuses."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    from kiln.errors import ConfigError
+
+    for other in CACHE_ENV:
+        monkeypatch.delenv(other, raising=False)
+    root = tmp_path / "compile"
+    monkeypatch.setenv(var, str(tmp_path / "mine"))
+    with caplog.at_level(logging.WARNING):
+        check_cache_env(root, strict=False)
+    (record,) = caplog.records
+    assert f"{var}={tmp_path / 'mine'} is not used" in record.getMessage()
+    assert "Remedy: unset" in record.getMessage() and "KILN_CACHE_DIR" in record.getMessage()
+    with pytest.raises(ConfigError, match=f"{var}=.* is not used"):
+        check_cache_env(root, strict=True)
+    caplog.clear()
+    for not_a_choice in (default_cache_dir(), str(root / "abc" / "inductor")):
+        monkeypatch.setenv(var, not_a_choice)  # Inductor's own default, or a kiln entry's
+        check_cache_env(root, strict=True)
+    assert not caplog.records
 
 
 def test_stale_entries_are_told_apart_and_cleared_alone(tmp_path):
@@ -271,6 +314,9 @@ def test_stale_entries_are_told_apart_and_cleared_alone(tmp_path):
         "old kiln": CompileCacheEntry.open(cache_key_fields(**BASE), tmp_path),
         "old torch": CompileCacheEntry.open(
             {**cache_key_fields(**current), "torch": "2.0.0"}, tmp_path
+        ),
+        "old triton": CompileCacheEntry.open(
+            {**cache_key_fields(**current), "triton": "2.0.0"}, tmp_path
         ),
         "corrupted": CompileCacheEntry.open(
             cache_key_fields(**{**current, "dtype": "bfloat16"}), tmp_path
@@ -286,9 +332,15 @@ def test_stale_entries_are_told_apart_and_cleared_alone(tmp_path):
         "current": None,
         "old kiln": "built by another version of kiln's source",
         "old torch": f"built by torch 2.0.0, this is {torch.__version__}",
+        "old triton": f"built by triton 2.0.0, this is {triton_version()}",
     }
     removed = clear_entries(root=tmp_path, only_stale=True).removed
-    assert sorted(names[k] for k in removed) == ["corrupted", "old kiln", "old torch"]
+    assert sorted(names[k] for k in removed) == [
+        "corrupted",
+        "old kiln",
+        "old torch",
+        "old triton",
+    ]
     assert [row["key"] for row in list_entries(tmp_path)] == [entries["current"].path.name]
 
 

@@ -29,6 +29,8 @@ from kiln.paths import kiln_cache_dir
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
+# the caches a compiled engine keeps inside its entry, and the entry's folder for each
+CACHE_ENV = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
 
 
 def kiln_source_hash() -> str:
@@ -39,6 +41,28 @@ def kiln_source_hash() -> str:
         h.update(str(path.relative_to(root)).encode())
         h.update(path.read_bytes())
     return h.hexdigest()
+
+
+def check_cache_env(root: Path, strict: bool) -> None:
+    """A cache directory the user chose for Inductor or Triton is not used while a compiled
+    engine boots: said loudly (an error in strict mode), not ignored in silence. A value
+    Inductor wrote itself (its default, once anything compiled) or kiln's own is no choice."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    own = (Path(default_cache_dir()).resolve(), root.resolve())
+    for var in CACHE_ENV:
+        value = os.environ.get(var)
+        if value is None or any(Path(value).resolve().is_relative_to(d) for d in own):
+            continue
+        message = (
+            f"{var}={value} is not used while kiln compiles: each compiled configuration "
+            f"keeps Inductor's and Triton's caches inside its own compile cache entry (under "
+            f"{root}), so no configuration can load another's artifacts. Remedy: unset {var}, "
+            "and set KILN_CACHE_DIR to choose where kiln's compile cache lives"
+        )
+        if strict:
+            raise ConfigError(message)
+        logger.warning(message)
 
 
 def device_signature(device: torch.device) -> str:
@@ -61,8 +85,17 @@ def cache_key_fields(
         "dtype": dtype,
         "device": device,
         "torch": torch.__version__,
+        "triton": triton_version() if device.startswith("cuda") else None,  # CPU code: C++
         "kiln_source": source_hash,
     }
+
+
+def triton_version() -> str | None:
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 # what of a resolved graph plan changes compiled artifacts
@@ -106,6 +139,7 @@ class CompileCacheEntry:
     reused: bool
     lock: EntryLock | None = field(default=None, repr=False)  # held from open to seal
     waited_s: float = 0.0  # for another process compiling this configuration
+    saved_env: dict[str, str | None] = field(default_factory=dict, repr=False)
 
     @classmethod
     def open(cls, fields: dict[str, Any], root: Path | None = None) -> CompileCacheEntry:
@@ -133,9 +167,21 @@ class CompileCacheEntry:
         return {"path": str(self.path), "reused": self.reused, "waited_s": self.waited_s}
 
     def activate(self) -> None:
-        """Point Inductor and Triton at this entry (process-wide: one process, one model)."""
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.path / "inductor")
-        os.environ["TRITON_CACHE_DIR"] = str(self.path / "triton")
+        """Point Inductor and Triton at this entry while the engine boots (the environment is
+        process-wide: one engine boots at a time); `deactivate` puts back what was there."""
+        self.saved_env = {var: os.environ.get(var) for var in CACHE_ENV}
+        for var, sub in CACHE_ENV.items():
+            os.environ[var] = str(self.path / sub)
+
+    def deactivate(self) -> None:
+        """After boot: a later compilation (a recompilation, the user's own torch.compile)
+        goes where it would have gone without kiln, not into this sealed entry."""
+        for var, value in self.saved_env.items():
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        self.saved_env = {}
 
     def seal(self) -> None:
         """Record the artifacts with checksums; written last and atomically."""
@@ -200,6 +246,9 @@ def stale_reason(fields: dict[str, Any], source_hash: str) -> str | None:
     """Why this installation can never load an entry keyed by `fields` (None: it may)."""
     if fields.get("torch") != torch.__version__:
         return f"built by torch {fields.get('torch')}, this is {torch.__version__}"
+    built_by = fields.get("triton")
+    if built_by is not None and built_by != triton_version():
+        return f"built by triton {built_by}, this is {triton_version()}"
     if fields.get("kiln_source") != source_hash:
         return "built by another version of kiln's source"
     return None
