@@ -368,6 +368,9 @@ def test_cli_ls_and_clear(tmp_path):
     assert out.returncode == 0 and "  ok  " in lines[entry.path.name]
     assert "FULL_AND_PIECEWISE" in lines[entry.path.name]
     assert f"COMPILING (by pid {os.getpid()} " in lines[compiling.path.name]
+    assert lines[compiling.path.name].endswith(")")  # no key fields to show until it is sealed
+    triton = f" triton {triton_version()}" if triton_version() else ""
+    assert f"torch {torch.__version__}{triton}" in lines[entry.path.name]
     assert "STALE (built by another version of kiln's source)" in lines[stale.path.name]
     assert "1 of 3 entries" in out.stdout and "kiln cache clear --stale" in out.stdout
     out = kiln("clear", "--stale")

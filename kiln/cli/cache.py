@@ -9,11 +9,16 @@ from kiln.compilation.cache import clear_entries, compile_root, list_entries
 
 
 def _describe(fields: dict) -> str:
+    """The key fields of a sealed entry; an unsealed one has none to show."""
+    if not fields:
+        return ""
     comp = fields.get("compilation", {})
     arch = fields.get("model_config", {}).get("architecture", "?")
+    triton = f" triton {fields['triton']}" if fields.get("triton") else ""
     return (
         f"{arch} {fields.get('dtype', '?')} {fields.get('device', '?')} mode "
         f"{comp.get('mode', '?')} {comp.get('cudagraph_mode', '?')} torch {fields.get('torch')}"
+        f"{triton}"
     )
 
 
@@ -44,9 +49,10 @@ def run_cache(args: argparse.Namespace) -> int:
             state = f"COMPILING (by {r['compiling']})"
         elif r["valid"] and r["stale"]:
             state = f"STALE ({r['stale']})"
-        print(
+        line = (
             f"{r['key']}  {r['bytes'] / 2**20:8.1f} MiB  {when}  {state}  {_describe(r['fields'])}"
         )
+        print(line.rstrip())
     stale = [r for r in rows if r["stale"]]
     if stale:
         mib = sum(r["bytes"] for r in stale) / 2**20
