@@ -387,6 +387,7 @@ class LLMEngine:
             graphs=self.runner.counters.to_dict()
             | {
                 "recompilations": self.runner.recompilations,
+                "last_recompile_reason": self.runner.last_recompile_reason,
                 "piecewise_input_copies": self.runner.graph_input_copies,
             },
         )

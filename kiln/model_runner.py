@@ -62,7 +62,11 @@ class ModelRunner:
         self.compile_backend: SplitBackend | None = None
         self.forward = model.forward
         if plan.mode == 3:
-            self.compile_backend = SplitBackend(plan.splitting_ops, plan.requested.debug_contiguity)
+            self.compile_backend = SplitBackend(
+                plan.splitting_ops,
+                plan.requested.debug_contiguity,
+                traced_code=type(model).forward.__code__,
+            )
             self.forward = torch.compile(
                 model.forward,
                 backend=self.compile_backend,
@@ -335,3 +339,7 @@ class ModelRunner:
     @property
     def recompilations(self) -> int:
         return self.compile_backend.stats.recompilations if self.compile_backend else 0
+
+    @property
+    def last_recompile_reason(self) -> str | None:
+        return self.compile_backend.stats.last_recompile_reason if self.compile_backend else None

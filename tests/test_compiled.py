@@ -138,12 +138,15 @@ def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
     runner = engine.runner
     engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
     batch = engine.scheduler.schedule()
-    inputs = runner.prepare(batch)
     with caplog.at_level(logging.WARNING), torch.inference_mode():
+        inputs = runner.prepare(batch)  # as a step does: only the positions differ
         runner.forward(inputs.input_ids, inputs.positions.to(torch.int32), inputs.meta)
     assert runner.recompilations == 1
     assert engine.stats().graphs["recompilations"] == 1
-    assert any("recompiled" in r.getMessage() for r in caplog.records)
+    (warning,) = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]
+    reason = engine.stats().graphs["last_recompile_reason"]
+    assert "tensor 'positions'" in reason  # the guard that failed, named
+    assert reason in warning and "TORCH_LOGS=recompiles_verbose" in warning
 
 
 def test_bf16_compiled_matches_bf16_eager(tiny_models):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import CodeType
 from typing import Any
 
 import torch
@@ -56,6 +57,7 @@ class CompileStats:
     splitting_op_calls: int = 0  # splitting-op nodes in the last graph
     warmed_up: bool = False
     recompilations: int = 0
+    last_recompile_reason: str | None = None  # the guard that failed, as Dynamo reported it
 
 
 class _Piece(torch.nn.Module):
@@ -98,9 +100,16 @@ def _check_contiguous(piece: str, what: str, value: Any) -> None:
 
 class SplitBackend:
     def __init__(
-        self, splitting_ops: Sequence[str], debug_contiguity: bool = False, inductor: bool = True
+        self,
+        splitting_ops: Sequence[str],
+        debug_contiguity: bool = False,
+        inductor: bool = True,
+        traced_code: CodeType | None = None,
     ) -> None:
+        """`traced_code`: the code object torch.compile traces (the model's forward), whose
+        failed guards explain a recompilation."""
         self.splitting_ops = {qualified_op_name(s) for s in splitting_ops}
+        self.traced_code = traced_code
         self.debug_contiguity = debug_contiguity
         self.inductor = inductor
         self.stats = CompileStats()
@@ -113,16 +122,24 @@ class SplitBackend:
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
         self.stats.compilations += 1
         if self.stats.warmed_up:
-            self.stats.recompilations += 1
-            logger.warning(
-                "torch.compile recompiled the model after warm-up (%d so far): a guard failed "
-                "on an input shape or type; each recompilation costs seconds on the request path",
-                self.stats.recompilations,
-            )
+            self._count_recompilation()
         split, names = self._split(gm)
         self._compile_pieces(split, names, example_inputs)
         self.last_graph = split
         return split
+
+    def _count_recompilation(self) -> None:
+        self.stats.recompilations += 1
+        reason = recompile_reason(self.traced_code)
+        self.stats.last_recompile_reason = reason
+        logger.warning(
+            "torch.compile recompiled the model after warm-up (%d so far) because a guard "
+            "failed: %s. Each recompilation costs seconds on the request path, and kiln marks "
+            "a step's inputs dynamic so that none happens: please report it with this line "
+            "(TORCH_LOGS=recompiles_verbose lists every guard that failed)",
+            self.stats.recompilations,
+            reason,
+        )
 
     def _split(self, gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, dict[str, bool]]:
         partition, ids = 0, {}
@@ -172,6 +189,16 @@ class SplitBackend:
         for name, module in compiled.items():
             setattr(split, name, module)
         self.stats.pieces = sum(1 for v in is_split.values() if not v)
+
+
+def recompile_reason(code: CodeType | None) -> str:
+    """The guard failure Dynamo recorded last for `code` (it records one before each
+    recompilation, whatever the logging settings), without the user stack it may append."""
+    failures = torch._dynamo.utils.guard_failures.get(code) if code is not None else None
+    if not failures:
+        return "unknown (TORCH_LOGS=recompiles names it)"
+    reason = str(failures[-1]).split("\nUser stack trace")[0].strip()
+    return reason if len(reason) <= 400 else reason[:400] + "..."
 
 
 def mark_dynamic_dims(tensors: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
