@@ -45,6 +45,10 @@ def test_info_prints_architecture_and_config():
     assert res.returncode == 0, res.stderr
     for word in ("LlamaForCausalLM", "layers", "30", "max_model_len", "KV cache", "torch_paged"):
         assert word in res.stdout
+    rows = dict(line.split("  ", 1) for line in res.stdout.splitlines() if "  " in line)
+    assert "load model" in rows["boot"] and "warm up" in rows["boot"]
+    assert rows["compile cache"].strip() == "none (mode 0 compiles nothing)"
+    assert rows["CUDA graphs"].strip() == "none captured"
 
 
 def test_dotted_compilation_flags_fold_into_the_json():

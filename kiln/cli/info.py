@@ -34,7 +34,35 @@ def _rows(engine) -> list[tuple[str, str]]:
             "attention backend",
             f"{engine.attn_backend.name} (CUDA graphs: {engine.attn_backend.graph_support.value})",
         ),
+        ("boot", _boot(engine)),
+        ("compile cache", _compile_cache(engine)),
+        ("CUDA graphs", _graphs(engine)),
     ]
+
+
+def _boot(engine) -> str:
+    phases = ", ".join(
+        f"{name.replace('_', ' ')} {s:.1f} s" for name, s in engine.boot.durations.items()
+    )
+    return f"{engine.boot_s:.1f} s ({phases})"
+
+
+def _compile_cache(engine) -> str:
+    entry = engine.compile_cache
+    if entry is None:
+        return "none (mode 0 compiles nothing)"
+    waited = f", waited {entry.waited_s:.1f} s for another process" if entry.waited_s else ""
+    return f"{entry.path} ({'reused' if entry.reused else 'new'}{waited})"
+
+
+def _graphs(engine) -> str:
+    st = engine.capture
+    if not st.graphs:
+        return "none captured"
+    return (
+        f"{st.graphs} captured in {st.seconds:.1f} s, {st.memory_bytes / 2**30:.2f} GiB "
+        f"(reserved {st.reserved_bytes / 2**30:.2f} GiB)"
+    )
 
 
 def print_info(args: argparse.Namespace) -> int:
