@@ -59,6 +59,7 @@ class ModelRunner:
         self.device = device
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.counters = GraphCounters()
+        self.graphs_captured = False  # every graph of the plan (not the measurement's largest)
         self.compile_backend: SplitBackend | None = None
         self.forward = model.forward
         if plan.mode == 3:
@@ -162,7 +163,7 @@ class ModelRunner:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
         mode = self._available(wanted)
         if wanted.promised and mode is RuntimeMode.NONE:
-            self.counters.record_miss(wanted)
+            self._record_miss(wanted)
         self.counters.record(mode)
         if mode is RuntimeMode.NONE:
             return self._forward(inputs.input_ids, inputs.positions, inputs.meta)
@@ -172,6 +173,19 @@ class ModelRunner:
         if mode is RuntimeMode.FULL:
             return self.full.run(size)
         return self._run_piecewise(inputs.meta, size)
+
+    def _record_miss(self, wanted: Dispatch) -> None:
+        """Counted always; the first after capture is logged too (warm-up runs before capture,
+        so its steps miss by design)."""
+        self.counters.record_miss(wanted)
+        if self.graphs_captured and self.counters.misses == 1:
+            logger.warning(
+                "graph miss: the plan promised this step a graph (%s), but none was captured "
+                "at that size, so it ran eagerly. kiln captures every size the plan lists, so "
+                "this is a bug: please report it with `kiln info`'s graph plan. Later misses "
+                "are counted (graphs.graph_misses, with examples), not logged",
+                self.counters.miss_examples[0],
+            )
 
     def _available(self, wanted: Dispatch) -> RuntimeMode:
         """The promised mode if its graph was captured; NONE (a miss) otherwise."""
@@ -232,6 +246,7 @@ class ModelRunner:
             for size in self.capture_sizes(RuntimeMode.FULL)[: 1 if only_largest else None]:
                 self._capture_full(size)
                 count += 1
+        self.graphs_captured = not only_largest
         return count
 
     @torch.inference_mode()

@@ -108,6 +108,25 @@ def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, back
     assert st.graphs["piecewise_input_copies"] == 0
 
 
+def test_a_graph_miss_is_counted_and_told(tiny_models, caplog):
+    """A step the plan promised a graph, whose graph is not there, still runs (eagerly), is
+    counted with its descriptor, and the first such step after capture is logged."""
+    engine = _engine(tiny_models["llama"], "FULL_DECODE_ONLY", 0, "triton")
+    del engine.runner.full.graphs[1]  # the single-request decode graph
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with caplog.at_level(logging.WARNING):
+        finals, _ = run_schedule(engine, [(0, [5, 6, 7], params)])
+    eager = _engine(tiny_models["llama"], "NONE", 0, "triton", graphs=False)
+    reference, _ = run_schedule(eager, [(0, [5, 6, 7], params)])
+    assert finals["0"].outputs[0].token_ids == reference["0"].outputs[0].token_ids
+    st = engine.stats().graphs
+    assert st["graph_misses"] == 3 == st["steps"]["NONE"] - 1  # three decodes; the prefill: NONE
+    example = "FULL num_tokens=1 num_reqs=1 uniform_token_count=1"
+    assert st["graph_miss_examples"] == [example] * 3
+    (warning,) = [r.getMessage() for r in caplog.records if "graph miss" in r.getMessage()]
+    assert example in warning and "please report it" in warning
+
+
 def test_compiled_full_graphs_equal_eager(tiny_models):
     """mode 3 with FULL graphs (the GPU benchmark's FULL row): one Inductor graph with the
     attention op inside, captured whole at every size, for a prefill arriving beside a decode

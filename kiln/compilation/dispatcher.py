@@ -56,7 +56,6 @@ class GraphCounters:
     steps: Counter = field(default_factory=Counter)  # runtime mode -> steps
     misses: int = 0  # steps that ran eagerly though the plan promised a graph
     miss_examples: list[str] = field(default_factory=list)
-    recompilations: int = 0
 
     def record(self, mode: RuntimeMode) -> None:
         self.steps[mode.value] += 1
@@ -75,5 +74,4 @@ class GraphCounters:
             "steps": {m.value: self.steps.get(m.value, 0) for m in RuntimeMode},
             "graph_misses": self.misses,
             "graph_miss_examples": list(self.miss_examples),
-            "recompilations": self.recompilations,
         }
