@@ -1,8 +1,11 @@
-"""Where kiln keeps derived files (converted tokenizers, later compile artifacts)."""
+"""Where kiln keeps derived files (converted tokenizers, compile artifacts)."""
 
 from __future__ import annotations
 
 import os
+from pathlib import Path
+
+from kiln.errors import ConfigError
 
 
 def kiln_cache_dir() -> str:
@@ -11,3 +14,21 @@ def kiln_cache_dir() -> str:
         return os.environ["KILN_CACHE_DIR"]
     xdg = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(xdg, "kiln")
+
+
+def writable_dir(path: str | os.PathLike) -> Path:
+    """`path` (under kiln's cache directory), created, or an error naming the remedy: a cache
+    directory kiln cannot write is a setting to change, not a traceback."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        problem = exc.strerror or str(exc)
+    else:
+        if os.access(path, os.W_OK | os.X_OK):
+            return path
+        problem = "not writable"
+    raise ConfigError(
+        f"kiln cannot write its cache directory {path} ({problem}). Remedy: set "
+        "KILN_CACHE_DIR to a directory you can write"
+    )

@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from kiln.errors import InvalidRequestError, ModelLoadError
-from kiln.paths import kiln_cache_dir
+from kiln.paths import kiln_cache_dir, writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -127,8 +127,7 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
         raise ModelLoadError(
             f"cannot build a tokenizer from the GGUF metadata of {path!r}: {exc}"
         ) from None
-    os.makedirs(os.path.dirname(target), exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=os.path.dirname(target))
+    tmp = tempfile.mkdtemp(dir=writable_dir(os.path.dirname(target)))
     hf.save_pretrained(tmp)
     try:
         os.rename(tmp, target)  # atomic: a concurrent conversion either wins or finds it done

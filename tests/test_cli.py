@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -38,6 +39,22 @@ def test_bad_flag_is_one_clear_line():
     res = _kiln("generate", "hi", "--kv-cache-memory", "1GiB", "--kv-cache-memory-fraction", "0.3")
     assert res.returncode == 2 and "Traceback" not in res.stderr
     assert "pass one" in res.stderr  # was: the byte count silently won
+
+
+def test_a_cache_dir_kiln_cannot_write_is_one_clear_line(tmp_path):
+    """The embedded model's GGUF tokenizer is converted into kiln's cache directory."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    res = subprocess.run(
+        [sys.executable, "-m", "kiln", "generate", "hi", "--max-tokens", "1"],
+        env={**os.environ, "KILN_CACHE_DIR": str(not_a_dir)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert res.stderr.startswith("error: kiln cannot write its cache directory")
+    assert "set KILN_CACHE_DIR to a directory you can write" in res.stderr
 
 
 def test_info_prints_architecture_and_config():

@@ -266,6 +266,17 @@ def test_a_failed_boot_lets_go_of_its_entry(tiny_models, tmp_path, monkeypatch):
     assert not [var for var in CACHE_ENV if var in os.environ]  # pointed into it no longer
 
 
+def test_a_cache_dir_kiln_cannot_write_is_a_clear_error(tiny_models, tmp_path, monkeypatch):
+    from kiln import LLM
+    from kiln.errors import ConfigError
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("KILN_CACHE_DIR", str(not_a_dir))
+    with pytest.raises(ConfigError, match=r"cannot write its cache directory .*set KILN_CACHE_DIR"):
+        LLM(tiny_models["llama"], compilation_config={"mode": 3})
+
+
 def test_activate_points_inductor_inside_the_entry_until_boot_ends(tmp_path, monkeypatch):
     """Boot compiles inside the entry; afterwards the environment is what it was, so a later
     compilation (the user's own torch.compile) does not write into the sealed entry."""

@@ -25,7 +25,7 @@ import torch
 
 from kiln.compilation.cache_lock import LOCKS_DIR, EntryLock
 from kiln.errors import ConfigError
-from kiln.paths import kiln_cache_dir
+from kiln.paths import kiln_cache_dir, writable_dir
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -116,6 +116,7 @@ def open_for_plan(
     root: Path | None = None,
 ) -> CompileCacheEntry:
     """The entry of a compiled engine (`plan` is GraphPlan.to_dict())."""
+    root = writable_dir(root or compile_root())
     compilation = {k: plan[k] for k in PLAN_KEY_FIELDS}
     fields = cache_key_fields(
         model_config, compilation, dtype, device_signature(device), kiln_source_hash()
