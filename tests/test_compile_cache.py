@@ -72,6 +72,19 @@ def test_same_config_same_directory():
     assert cache_key_fields(**BASE)["torch"]  # the torch version is part of the key
 
 
+def test_the_compilers_environment_keys_the_entry(monkeypatch):
+    """TORCHINDUCTOR_MAX_AUTOTUNE=1 compiles other kernels: another entry, not one that says
+    "reused" while Inductor compiles inside it. Where the caches live changes nothing."""
+    monkeypatch.delenv("TORCHINDUCTOR_MAX_AUTOTUNE", raising=False)
+    before = _key()
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/else")
+    monkeypatch.setenv("TRITON_PTXAS_PATH", "/what/inductor/sets/once/it/compiles")
+    assert _key() == before
+    monkeypatch.setenv("TORCHINDUCTOR_MAX_AUTOTUNE", "1")
+    assert _key() != before
+    assert cache_key_fields(**BASE)["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"
+
+
 def test_triton_keys_cuda_entries_only():
     """Triton compiles the GPU pieces; the CPU's are C++, so a Triton upgrade leaves them be."""
     assert cache_key_fields(**BASE)["triton"] == triton_version()

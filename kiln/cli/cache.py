@@ -15,10 +15,11 @@ def _describe(fields: dict) -> str:
     comp = fields.get("compilation", {})
     arch = fields.get("model_config", {}).get("architecture", "?")
     triton = f" triton {fields['triton']}" if fields.get("triton") else ""
+    env = "".join(f" {k}={v}" for k, v in fields.get("env", {}).items())
     return (
         f"{arch} {fields.get('dtype', '?')} {fields.get('device', '?')} mode "
         f"{comp.get('mode', '?')} {comp.get('cudagraph_mode', '?')} torch {fields.get('torch')}"
-        f"{triton}"
+        f"{triton}{env}"
     )
 
 

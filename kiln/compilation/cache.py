@@ -86,7 +86,24 @@ def cache_key_fields(
         "device": device,
         "torch": torch.__version__,
         "triton": triton_version() if device.startswith("cuda") else None,  # CPU code: C++
+        "env": compile_env(),
         "kiln_source": source_hash,
+    }
+
+
+COMPILE_ENV_PREFIXES = ("TORCHINDUCTOR_", "TORCH_COMPILE_", "TORCHDYNAMO_", "TRITON_")
+
+
+def compile_env() -> dict[str, str]:
+    """The environment variables that steer Dynamo, Inductor and Triton (max-autotune, the
+    interpreter, ...): their caches key on them, and so does kiln's entry, so that "reused"
+    means reused. Locations are not among them: where the caches live, and the tool paths
+    Inductor itself sets once it compiles (TRITON_PTXAS_PATH), which would give a process's
+    second engine another key than its first."""
+    return {
+        k: v
+        for k, v in sorted(os.environ.items())
+        if k.startswith(COMPILE_ENV_PREFIXES) and not k.endswith(("_DIR", "_PATH"))
     }
 
 
