@@ -6,27 +6,19 @@ import gc
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
-from kiln.attention import AttentionBackend, AttentionShape
-from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.block_manager import BlockManager
 from kiln.boot import BootPhases
-from kiln.compilation.backend import check_splitting_ops
 from kiln.compilation.cache import CompileCacheEntry, check_cache_env, compile_root, open_for_plan
 from kiln.compilation.capture import CaptureStats
 from kiln.compilation.graphs import GraphBackend
-from kiln.compilation.plan import (
-    AttentionCaps,
-    GraphPlan,
-    log_plan,
-    resolve_graph_plan,
-)
 from kiln.config import EngineConfig
+from kiln.engine_plan import for_device, resolve_max_model_len, resolve_plan, select_attention
 from kiln.errors import ConfigError, EngineClosedError, InvalidRequestError
-from kiln.graph_boot import GraphBoot, device_caps, graph_backend_for
+from kiln.graph_boot import GraphBoot, graph_backend_for
 from kiln.input_buffers import InputBuffers
 from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import open_model
@@ -68,8 +60,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, graph_backend: GraphBackend | None = None) -> None:
         """`graph_backend`: how graphs are captured; by default CUDA graphs on a GPU and none
         elsewhere (tests pass the emulator to run the graph paths on the CPU)."""
-        self.device = config.resolve_device()
-        config = replace(config, scheduler=config.scheduler.for_device(self.device))
+        config, self.device = for_device(config)
         self.config = config
         self.dtype = config.torch_dtype
         self.boot = BootPhases(config.boot_timeout)
@@ -113,20 +104,13 @@ class LLMEngine:
         self.source = open_model(config.model)
         self.model_config = self.source.config
         self.tokenizer = self.source.load_tokenizer()
-        mc = self.model_config
-        self.attn_backend = select_backend(
-            config.attention_backend,
-            self.device,
-            config.cache.block_size,
-            AttentionShape(mc.num_heads, mc.num_kv_heads, mc.head_dim),
-            self.dtype,
-        )
+        self.attn_backend = select_attention(config, self.model_config, self.device)
         self.model = self._load_model()
 
     def _plan(self, graph_backend: GraphBackend | None) -> None:
         """The graph plan, the compile cache it keys, and the runner that executes it."""
-        self.max_model_len = self._resolve_max_model_len()
-        self.plan = self._resolve_plan(graph_backend)
+        self.max_model_len = resolve_max_model_len(self.config, self.model_config)
+        self.plan = resolve_plan(self.config, self.attn_backend, self.device, graph_backend)
         self.compile_cache = self._open_compile_cache()
         self.graph_backend = graph_backend_for(self.plan, self.device, graph_backend)
         self.runner = ModelRunner(
@@ -186,23 +170,6 @@ class LLMEngine:
             logger.warning(warning)
         return model.eval()
 
-    def _resolve_plan(self, graph_backend: GraphBackend | None) -> GraphPlan:
-        backend: AttentionBackend = self.attn_backend
-        sched = self.config.scheduler
-        requested_splits = self.config.compilation.splitting_ops or ()
-        check_splitting_ops(requested_splits, ATTENTION_OPS)
-        plan = resolve_graph_plan(
-            self.config.compilation,
-            device_caps(self.device, graph_backend),
-            AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops),
-            max_num_batched_tokens=sched.max_num_batched_tokens,
-            max_num_seqs=sched.max_num_seqs,
-            enforce_eager=self.config.enforce_eager,
-            strict=self.config.strict_graphs,
-        )
-        log_plan(plan, logger)
-        return plan
-
     def _open_compile_cache(self) -> CompileCacheEntry | None:
         if self.plan.mode != 3:
             return None
@@ -241,16 +208,6 @@ class LLMEngine:
         self.num_steps = 0
         if self.compile_cache is not None:
             self.compile_cache.seal()
-
-    def _resolve_max_model_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        asked = self.config.scheduler.max_model_len
-        if asked is not None and asked > limit:
-            raise ConfigError(
-                f"max_model_len {asked} exceeds the model's context length {limit}; "
-                f"pass --max-model-len {limit} or less"
-            )
-        return asked or limit
 
     def _size_kv_cache(self, graph_reserve: int = 0) -> int:
         bs = self.config.cache.block_size

@@ -68,6 +68,27 @@ def test_info_prints_architecture_and_config():
     assert rows["CUDA graphs"].strip() == "none captured"
 
 
+def test_info_plan_only_boots_nothing(tmp_path):
+    """The plan and the entry a compiled boot would use, in seconds: no weights, no compile."""
+    env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path)}
+
+    def info(*args):
+        cmd = [sys.executable, "-m", "kiln", "info", "--plan-only", *args]
+        return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+
+    res = info("-O.mode=3", "-O.cudagraph_mode=FULL_DECODE_ONLY")
+    assert res.returncode == 0, res.stderr
+    rows = dict(line.split("  ", 1) for line in res.stdout.splitlines() if "  " in line)
+    assert rows["compile cache"].strip().endswith("(not built: boot compiles it)")
+    assert str(tmp_path / "compile") in rows["compile cache"]
+    assert "KV cache" not in rows and "boot" not in rows  # nothing was allocated or booted
+    assert "FULL_DECODE_ONLY -> NONE: the CPU has no CUDA graphs" in res.stderr  # the warning
+    assert not (tmp_path / "compile").exists()
+    res = info("-O.cudagraph_mode=FULL_DECODE_ONLY", "--strict-graphs")
+    assert res.returncode == 2 and "Traceback" not in res.stderr
+    assert "the CPU has no CUDA graphs" in res.stderr
+
+
 def test_dotted_compilation_flags_fold_into_the_json():
     """vLLM's `-O.field=value`, `--compilation-config.field value` and `field+` list items,
     merged over the JSON value, in any order."""

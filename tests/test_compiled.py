@@ -77,6 +77,20 @@ def test_one_compilation_serves_every_batch_size(engines):
     assert stats.splitting_op_calls == compiled.model_config.num_layers
 
 
+def test_the_plan_only_preview_is_what_boot_resolved(engines):
+    """`kiln info --plan-only`: the same plan and compile cache entry as the boot of that
+    configuration, found sealed, without loading a weight or compiling."""
+    from kiln.compilation.cache import entry_for_plan, is_sealed
+    from kiln.engine_plan import preview_engine
+
+    _, compiled = engines
+    preview = preview_engine(compiled.config)
+    assert preview.plan == compiled.plan and preview.max_model_len == compiled.max_model_len
+    args = (preview.plan.to_dict(), preview.source.config.to_dict(), preview.config.dtype)
+    path = entry_for_plan(*args, preview.device)
+    assert path == compiled.compile_cache.path and is_sealed(path)
+
+
 def test_boundaries_are_checked_in_debug_mode(engines):
     _, compiled = engines
     children = list(compiled.runner.compile_backend.last_graph.children())

@@ -1,4 +1,5 @@
-"""`kiln info`: what the model is and how the engine resolved its configuration."""
+"""`kiln info`: what the model is and how the engine resolved its configuration; with
+`--plan-only`, what it would resolve to, without loading weights, compiling or capturing."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import argparse
 from kiln.cli.engine_args import engine_kwargs
 
 
-def _rows(engine) -> list[tuple[str, str]]:
-    m = engine.model_config
-    st = engine.stats()
-    bs = engine.config.cache.block_size
+def _model_rows(source, tokenizer) -> list[tuple[str, str]]:
+    m = source.config
     return [
-        ("model", engine.source.path),
+        ("model", source.path),
         ("architecture", m.architecture),
         ("parameters", f"{m.num_params / 1e6:.1f} M"),
         ("layers", str(m.num_layers)),
@@ -23,17 +22,26 @@ def _rows(engine) -> list[tuple[str, str]]:
         ("context length", str(m.max_position_embeddings)),
         ("rope", f"theta {m.rope_theta:g}, scaling {m.rope_scaling or 'none'}"),
         ("tied embeddings", str(m.tie_word_embeddings)),
-        ("chat template", "yes" if engine.tokenizer.has_chat_template else "no"),
-        ("device / dtype", f"{engine.device} / {engine.config.dtype}"),
-        ("max_model_len", str(engine.max_model_len)),
-        ("max_num_seqs", str(engine.config.scheduler.max_num_seqs)),
-        ("max_num_batched_tokens", str(engine.config.scheduler.max_num_batched_tokens)),
+        ("chat template", "yes" if tokenizer.has_chat_template else "no"),
+    ]
+
+
+def _config_rows(config, device, max_model_len: int, backend) -> list[tuple[str, str]]:
+    return [
+        ("device / dtype", f"{device} / {config.dtype}"),
+        ("max_model_len", str(max_model_len)),
+        ("max_num_seqs", str(config.scheduler.max_num_seqs)),
+        ("max_num_batched_tokens", str(config.scheduler.max_num_batched_tokens)),
+        ("prefix caching", str(config.cache.enable_prefix_caching)),
+        ("attention backend", f"{backend.name} (CUDA graphs: {backend.graph_support.value})"),
+    ]
+
+
+def _boot_rows(engine) -> list[tuple[str, str]]:
+    st = engine.stats()
+    bs = engine.config.cache.block_size
+    return [
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
-        ("prefix caching", str(engine.config.cache.enable_prefix_caching)),
-        (
-            "attention backend",
-            f"{engine.attn_backend.name} (CUDA graphs: {engine.attn_backend.graph_support.value})",
-        ),
         ("boot", _boot(engine)),
         ("compile cache", _compile_cache(engine)),
         ("CUDA graphs", _graphs(engine)),
@@ -65,15 +73,52 @@ def _graphs(engine) -> str:
     )
 
 
+def _planned_cache(preview) -> str:
+    from kiln.compilation.cache import entry_for_plan, is_sealed
+
+    if preview.plan.mode != 3:
+        return "none (mode 0 compiles nothing)"
+    path = entry_for_plan(
+        preview.plan.to_dict(),
+        preview.source.config.to_dict(),
+        preview.config.dtype,
+        preview.device,
+    )
+    return (
+        f"{path} ({'sealed: boot reuses it' if is_sealed(path) else 'not built: boot compiles it'})"
+    )
+
+
 def print_info(args: argparse.Namespace) -> int:
-    from kiln.engine import LLMEngine
     from kiln.llm import engine_config
 
-    engine = LLMEngine(engine_config(args.model, **engine_kwargs(args)))
-    rows = _rows(engine)
+    config = engine_config(args.model, **engine_kwargs(args))
+    if args.plan_only:
+        from kiln.engine_plan import preview_engine
+
+        p = preview_engine(config)
+        rows = _model_rows(p.source, p.source.load_tokenizer())
+        rows += _config_rows(p.config, p.device, p.max_model_len, p.attn_backend)
+        rows += [("compile cache", _planned_cache(p))]
+        plan = p.plan
+    else:
+        from kiln.engine import LLMEngine
+
+        engine = LLMEngine(config)
+        rows = _model_rows(engine.source, engine.tokenizer)
+        rows += _config_rows(
+            engine.config, engine.device, engine.max_model_len, engine.attn_backend
+        )
+        rows += _boot_rows(engine)
+        plan = engine.plan
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     print()
-    print(engine.plan.table())
+    print(plan.table())
+    if args.plan_only:
+        print(
+            "(the plan before boot measures graph memory: with a fixed --kv-cache-memory, boot "
+            "may cut the capture sizes to what fits, with a warning)"
+        )
     return 0

@@ -85,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = sub.add_parser("info", help="the model's architecture and the resolved engine config")
     info.add_argument("model", nargs="?", default=None)
+    info.add_argument(
+        "--plan-only",
+        action="store_true",
+        help="resolve the configuration and print the graph plan without booting: no weights "
+        "loaded, nothing compiled or captured (seconds, where a compiled boot takes minutes)",
+    )
     add_engine_args(info)
     info.set_defaults(func=cmd_info)
 

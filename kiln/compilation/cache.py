@@ -125,6 +125,16 @@ PLAN_KEY_FIELDS = (
 )
 
 
+def plan_key_fields(
+    plan: dict[str, Any], model_config: dict[str, Any], dtype: str, device: torch.device
+) -> dict[str, Any]:
+    """What keys the entry of a compiled engine (`plan` is GraphPlan.to_dict())."""
+    compilation = {k: plan[k] for k in PLAN_KEY_FIELDS}
+    return cache_key_fields(
+        model_config, compilation, dtype, device_signature(device), kiln_source_hash()
+    )
+
+
 def open_for_plan(
     plan: dict[str, Any],
     model_config: dict[str, Any],
@@ -132,13 +142,21 @@ def open_for_plan(
     device: torch.device,
     root: Path | None = None,
 ) -> CompileCacheEntry:
-    """The entry of a compiled engine (`plan` is GraphPlan.to_dict())."""
+    """The entry of a compiled engine, found or created (and locked: see `open`)."""
     root = writable_dir(root or compile_root())
-    compilation = {k: plan[k] for k in PLAN_KEY_FIELDS}
-    fields = cache_key_fields(
-        model_config, compilation, dtype, device_signature(device), kiln_source_hash()
-    )
-    return CompileCacheEntry.open(fields, root)
+    return CompileCacheEntry.open(plan_key_fields(plan, model_config, dtype, device), root)
+
+
+def entry_for_plan(
+    plan: dict[str, Any], model_config: dict[str, Any], dtype: str, device: torch.device
+) -> Path:
+    """Where that entry is, touching nothing: for showing it before a boot."""
+    return compile_root() / cache_key(plan_key_fields(plan, model_config, dtype, device))
+
+
+def is_sealed(path: Path) -> bool:
+    """Whether a boot would reuse the entry at `path` (sealed and intact)."""
+    return _verify(path) is None
 
 
 def cache_key(fields: dict[str, Any]) -> str:
