@@ -142,9 +142,13 @@ def test_corrupted_entry_is_rebuilt(tmp_path, caplog):
     artifact.parent.mkdir()
     artifact.write_text("compiled code")
     entry.seal()
+    sealed = (entry.path / MANIFEST).read_bytes()
     reopened = CompileCacheEntry.open(fields, tmp_path)
     assert reopened.reused
-    reopened.release()
+    (entry.path / "inductor" / "later.py").write_text("written by a boot that reused it")
+    reopened.seal()  # what a boot that reused the entry does once warmed up: it lets go
+    assert (entry.path / MANIFEST).read_bytes() == sealed  # as its compilation sealed it
+    assert reopened.lock is None
     artifact.write_text("compiled code, truncated by a crash")
     with caplog.at_level(logging.WARNING):
         again = CompileCacheEntry.open(fields, tmp_path)

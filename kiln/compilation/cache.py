@@ -220,7 +220,12 @@ class CompileCacheEntry:
         self.saved_env = {}
 
     def seal(self) -> None:
-        """Record the artifacts with checksums; written last and atomically."""
+        """Record the artifacts with checksums; written last and atomically. A reused entry
+        stays as its compilation sealed it (its creation time too): boots that read it hold
+        the lock shared, so none may rewrite it."""
+        if self.reused:
+            self.release()
+            return
         files = {
             str(p.relative_to(self.path)): _sha(p)
             for p in sorted(self.path.rglob("*"))
