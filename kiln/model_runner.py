@@ -12,7 +12,12 @@ from dataclasses import dataclass
 import torch
 
 from kiln.attention import AttentionBackend, AttentionMetadata
-from kiln.compilation.backend import SplitBackend, mark_dynamic_dims, model_guard_filter
+from kiln.compilation.backend import (
+    SplitBackend,
+    mark_dynamic_dims,
+    model_guard_filter,
+    own_forward,
+)
 from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
@@ -63,13 +68,12 @@ class ModelRunner:
         self.compile_backend: SplitBackend | None = None
         self.forward = model.forward
         if plan.mode == 3:
+            forward = own_forward(model)
             self.compile_backend = SplitBackend(
-                plan.splitting_ops,
-                plan.requested.debug_contiguity,
-                traced_code=type(model).forward.__code__,
+                plan.splitting_ops, plan.requested.debug_contiguity, traced_code=forward.__code__
             )
             self.forward = torch.compile(
-                model.forward,
+                forward,
                 backend=self.compile_backend,
                 fullgraph=True,
                 options={"guard_filter_fn": model_guard_filter},

@@ -17,10 +17,6 @@ if not torch.cuda.is_available():
     # its functions, so it must be set before anything imports triton.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Every compiled engine adds entries to dynamo's cache for the one CausalLM.forward code object;
-# a server builds one engine per process, this test process builds dozens.
-torch._dynamo.config.recompile_limit = 64
-
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,

@@ -186,6 +186,29 @@ def test_engines_never_share_compiled_code(tiny_models):
     _assert_matches_eager(make_engine(tiny_models["qwen3"]), third)
 
 
+def test_a_process_compiles_engine_after_engine(tiny_models):
+    """Each engine compiles a forward with a code object of its own: on the one code object
+    of CausalLM.forward the ninth compiled engine of a process failed with
+    FailOnRecompileLimitHit (Dynamo's recompile_limit, 8). This suite runs at the default
+    limit, dozens of compiled engines in one process."""
+    import kiln.models.llama
+    from kiln import LLM
+
+    assert torch._dynamo.config.recompile_limit == 8  # torch's default: nothing raised it
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    outputs, codes = [], []  # the code objects kept alive, so that no id is reused
+    config = {"mode": 3}
+    for _ in range(10):
+        with LLM(tiny_models["llama"], compilation_config=config, kv_cache_memory="4MiB") as llm:
+            outputs.append(llm.generate([[5, 6, 7]], params)[0].outputs[0].token_ids)
+            backend = llm.engine.runner.compile_backend
+            assert backend.stats.compilations == 1 and backend.stats.recompilations == 0
+            codes.append(backend.traced_code)
+    assert all(out == outputs[0] for out in outputs)
+    shared = kiln.models.llama.CausalLM.forward.__code__
+    assert len({id(c) for c in codes}) == 10 and all(c is not shared for c in codes)
+
+
 def test_embedded_model_compiled_matches_eager(smollm_llm):
     from kiln import LLM
 

@@ -8,6 +8,8 @@ would be specialized at 0/1 and recompiled)."""
 from __future__ import annotations
 
 import logging
+import types
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import CodeType
@@ -107,9 +109,10 @@ class SplitBackend:
         traced_code: CodeType | None = None,
     ) -> None:
         """`traced_code`: the code object torch.compile traces (the model's forward), whose
-        failed guards explain a recompilation."""
+        failed guards explain a recompilation. Held weakly: torch keeps every backend for the
+        life of the process, and the code object holds Dynamo's compiled entries."""
         self.splitting_ops = {qualified_op_name(s) for s in splitting_ops}
-        self.traced_code = traced_code
+        self._traced_code = weakref.ref(traced_code) if traced_code is not None else None
         self.debug_contiguity = debug_contiguity
         self.inductor = inductor
         self.stats = CompileStats()
@@ -127,6 +130,10 @@ class SplitBackend:
         self._compile_pieces(split, names, example_inputs)
         self.last_graph = split
         return split
+
+    @property
+    def traced_code(self) -> CodeType | None:
+        return self._traced_code() if self._traced_code is not None else None
 
     def _count_recompilation(self) -> None:
         self.stats.recompilations += 1
@@ -199,6 +206,19 @@ def recompile_reason(code: CodeType | None) -> str:
         return "unknown (TORCH_LOGS=recompiles names it)"
     reason = str(failures[-1]).split("\nUser stack trace")[0].strip()
     return reason if len(reason) <= 400 else reason[:400] + "..."
+
+
+def own_forward(model: torch.nn.Module) -> Callable:
+    """`model.forward` with a code object of its own, for torch.compile. Dynamo keeps its
+    compiled entries per code object and refuses a ninth (recompile_limit, 8 by default):
+    every engine compiling the one `CausalLM.forward` added an entry there, so the ninth
+    compiled engine of a process failed with FailOnRecompileLimitHit. With a code object per
+    engine, the limit counts that engine's recompilations only."""
+    func = type(model).forward
+    code = func.__code__.replace()  # equal, but another object
+    fn = types.FunctionType(code, func.__globals__, func.__name__, func.__defaults__)
+    fn.__kwdefaults__, fn.__qualname__ = func.__kwdefaults__, func.__qualname__
+    return types.MethodType(fn, model)
 
 
 def mark_dynamic_dims(tensors: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> None:
