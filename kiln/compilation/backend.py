@@ -12,7 +12,6 @@ import types
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import CodeType
 from typing import Any
 
 import torch
@@ -106,7 +105,7 @@ class SplitBackend:
         splitting_ops: Sequence[str],
         debug_contiguity: bool = False,
         inductor: bool = True,
-        traced_code: CodeType | None = None,
+        traced_code: types.CodeType | None = None,
     ) -> None:
         """`traced_code`: the code object torch.compile traces (the model's forward), whose
         failed guards explain a recompilation. Held weakly: torch keeps every backend for the
@@ -132,7 +131,7 @@ class SplitBackend:
         return split
 
     @property
-    def traced_code(self) -> CodeType | None:
+    def traced_code(self) -> types.CodeType | None:
         return self._traced_code() if self._traced_code is not None else None
 
     def _count_recompilation(self) -> None:
@@ -198,7 +197,7 @@ class SplitBackend:
         self.stats.pieces = sum(1 for v in is_split.values() if not v)
 
 
-def recompile_reason(code: CodeType | None) -> str:
+def recompile_reason(code: types.CodeType | None) -> str:
     """The guard failure Dynamo recorded last for `code` (it records one before each
     recompilation, whatever the logging settings), without the user stack it may append."""
     failures = torch._dynamo.utils.guard_failures.get(code) if code is not None else None
