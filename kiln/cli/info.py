@@ -7,6 +7,8 @@ import argparse
 
 from kiln.cli.engine_args import engine_kwargs
 
+NO_COMPILE_CACHE = "none (mode 0 compiles nothing)"
+
 
 def _model_rows(source, tokenizer) -> list[tuple[str, str]]:
     m = source.config
@@ -58,7 +60,7 @@ def _boot(engine) -> str:
 def _compile_cache(engine) -> str:
     entry = engine.compile_cache
     if entry is None:
-        return "none (mode 0 compiles nothing)"
+        return NO_COMPILE_CACHE
     waited = f", waited {entry.waited_s:.1f} s for another process" if entry.waited_s else ""
     return f"{entry.path} ({'reused' if entry.reused else 'new'}{waited})"
 
@@ -77,7 +79,7 @@ def _planned_cache(preview) -> str:
     from kiln.compilation.cache import entry_for_plan, is_sealed
 
     if preview.plan.mode != 3:
-        return "none (mode 0 compiles nothing)"
+        return NO_COMPILE_CACHE
     path = entry_for_plan(
         preview.plan.to_dict(),
         preview.source.config.to_dict(),
