@@ -13,7 +13,8 @@ from kiln.attention import AttentionBackend, AttentionShape
 from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.compilation.backend import check_splitting_ops
 from kiln.compilation.graphs import GraphBackend
-from kiln.compilation.plan import AttentionCaps, GraphPlan, log_plan, resolve_graph_plan
+from kiln.compilation.plan import AttentionCaps, GraphPlan, resolve_graph_plan
+from kiln.compilation.plan_table import log_plan
 from kiln.config import EngineConfig
 from kiln.errors import ConfigError
 from kiln.graph_boot import device_caps

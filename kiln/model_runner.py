@@ -13,12 +13,14 @@ import torch
 
 from kiln.attention import AttentionBackend, AttentionMetadata
 from kiln.compilation.backend import (
+    PieceCompiler,
     SplitBackend,
     mark_dynamic_dims,
     model_guard_filter,
     own_forward,
 )
 from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
+from kiln.compilation.dump import GraphDump, dump_root
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
 from kiln.input_buffers import InputBuffers
@@ -43,6 +45,12 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     cfg = model.config
     per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def piece_compiler(plan: GraphPlan) -> PieceCompiler:
+    path = plan.requested.debug_dump_path
+    dump = GraphDump(dump_root(path), plan.backend) if path else None
+    return PieceCompiler(plan.backend or "inductor", plan.inductor_options, dump)
 
 
 class ModelRunner:
@@ -70,7 +78,10 @@ class ModelRunner:
         if plan.mode == 3:
             forward = own_forward(model)
             self.compile_backend = SplitBackend(
-                plan.splitting_ops, plan.requested.debug_contiguity, traced_code=forward.__code__
+                plan.splitting_ops,
+                plan.requested.debug_contiguity,
+                piece_compiler(plan),
+                traced_code=forward.__code__,
             )
             self.forward = torch.compile(
                 forward,

@@ -16,9 +16,13 @@ def kiln_cache_dir() -> str:
     return os.path.join(xdg, "kiln")
 
 
-def writable_dir(path: str | os.PathLike) -> Path:
-    """`path` (under kiln's cache directory), created, or an error naming the remedy: a cache
-    directory kiln cannot write is a setting to change, not a traceback."""
+def writable_dir(
+    path: str | os.PathLike,
+    what: str = "its cache directory",
+    remedy: str = "set KILN_CACHE_DIR to a directory you can write",
+) -> Path:
+    """`path` (by default under kiln's cache directory), created, or an error naming the
+    remedy: a directory kiln cannot write is a setting to change, not a traceback."""
     path = Path(path)
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -28,7 +32,4 @@ def writable_dir(path: str | os.PathLike) -> Path:
         if os.access(path, os.W_OK | os.X_OK):
             return path
         problem = "not writable"
-    raise ConfigError(
-        f"kiln cannot write its cache directory {path} ({problem}). Remedy: set "
-        "KILN_CACHE_DIR to a directory you can write"
-    )
+    raise ConfigError(f"kiln cannot write {what} {path} ({problem}). Remedy: {remedy}")

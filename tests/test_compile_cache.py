@@ -111,6 +111,9 @@ def _plan(**requested) -> dict:
         {"cudagraph_mode": "PIECEWISE"},
         {"cudagraph_mode": "FULL"},
         {"splitting_ops": ()},
+        {"backend": "eager"},
+        {"backend": "aot_eager"},
+        {"inductor_compile_config": {"size_asserts": False}},
     ],
 )
 def test_the_engine_keys_its_entry_by_the_resolved_plan(tmp_path, changes):
@@ -130,8 +133,17 @@ def _entry_path(plan: dict, root) -> str:
 
 def test_a_request_that_resolves_to_the_same_plan_shares_the_entry(tmp_path):
     sizes = {"mode": 3, "cudagraph_capture_sizes": (1, 2, 4)}
-    capped = {**sizes, "max_cudagraph_capture_size": 16}  # caps nothing: same artifacts
-    assert _entry_path(_plan(**sizes), tmp_path) == _entry_path(_plan(**capped), tmp_path)
+    same = [
+        {**sizes, "max_cudagraph_capture_size": 16},  # caps nothing: same artifacts
+        {**sizes, "backend": "inductor"},  # the default, spelt out
+        {**sizes, "debug_dump_path": str(tmp_path / "dump")},  # writes beside, not into, it
+        # Inductor options are unused without Inductor
+        {**sizes, "backend": "eager", "inductor_compile_config": {"size_asserts": False}},
+    ]
+    base = _entry_path(_plan(**sizes), tmp_path)
+    assert [_entry_path(_plan(**s), tmp_path) == base for s in same[:3]] == [True] * 3
+    eager = _entry_path(_plan(**{**sizes, "backend": "eager"}), tmp_path)
+    assert _entry_path(_plan(**same[3]), tmp_path) == eager
 
 
 def test_corrupted_entry_is_rebuilt(tmp_path, caplog):
@@ -294,6 +306,17 @@ def test_a_cache_dir_kiln_cannot_write_is_a_clear_error(tiny_models, tmp_path, m
         LLM(tiny_models["llama"], compilation_config={"mode": 3})
 
 
+def test_a_dump_path_kiln_cannot_write_is_a_clear_error(tiny_models, tmp_path):
+    from kiln import LLM
+    from kiln.errors import ConfigError
+
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    config = {"mode": 3, "debug_dump_path": str(not_a_dir / "dump")}
+    with pytest.raises(ConfigError, match=r"cannot write debug_dump_path .*set debug_dump_path"):
+        LLM(tiny_models["llama"], compilation_config=config)
+
+
 def test_activate_points_inductor_inside_the_entry_until_boot_ends(tmp_path, monkeypatch):
     """Boot compiles inside the entry; afterwards the environment is what it was, so a later
     compilation (the user's own torch.compile) does not write into the sealed entry."""
@@ -376,7 +399,11 @@ def test_cli_ls_and_clear(tmp_path):
     env = {**os.environ, "KILN_CACHE_DIR": str(tmp_path)}
     root = tmp_path / "compile"
     current = {**BASE, "source_hash": kiln_source_hash()}
-    entry = CompileCacheEntry.open(cache_key_fields(**current), root)
+    compiler = {"backend": "inductor", "inductor_compile_config": {"max_autotune": True}}
+    compilation = {**BASE["compilation"], **compiler}
+    entry = CompileCacheEntry.open(
+        cache_key_fields(**{**current, "compilation": compilation}), root
+    )
     entry.seal()
     stale = CompileCacheEntry.open(cache_key_fields(**BASE), root)
     stale.seal()
@@ -394,7 +421,7 @@ def test_cli_ls_and_clear(tmp_path):
     out = kiln("ls")
     lines = {line.split()[0]: line for line in out.stdout.splitlines()}
     assert out.returncode == 0 and "  ok  " in lines[entry.path.name]
-    assert "FULL_AND_PIECEWISE" in lines[entry.path.name]
+    assert "FULL_AND_PIECEWISE max_autotune=True torch" in lines[entry.path.name]
     assert f"COMPILING (by pid {os.getpid()} " in lines[compiling.path.name]
     assert lines[compiling.path.name].endswith(")")  # no key fields to show until it is sealed
     triton = f" triton {triton_version()}" if triton_version() else ""
@@ -413,3 +440,15 @@ def test_cli_ls_and_clear(tmp_path):
     out = kiln("clear")
     assert out.returncode == 0 and "removed 1" in out.stdout
     assert "empty" in kiln("ls").stdout
+
+
+def test_cache_ls_names_the_piece_backend_when_it_is_not_inductor():
+    from kiln.cli.cache import _describe
+
+    def row(**compiler):
+        return _describe(
+            cache_key_fields(**{**BASE, "compilation": {**BASE["compilation"], **compiler}})
+        )
+
+    assert " backend eager torch " in row(backend="eager", inductor_compile_config={})
+    assert "backend" not in row(backend="inductor") + row()  # the default; entries before the field

@@ -4,8 +4,10 @@ boundaries are contiguous (checked), and a recompilation is counted and warned a
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -50,10 +52,12 @@ def _assert_matches_eager(eager, compiled, rtol: float = 1e-4, atol: float = 1e-
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
-def engines(request, tiny_models):
+def engines(request, tiny_models, tmp_path_factory):
     path = tiny_models[request.param]
     eager = make_engine(path, block_size=4, max_num_batched_tokens=16)
-    compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=COMPILED)
+    dump = str(tmp_path_factory.mktemp(f"dump_{request.param}"))
+    config = dataclasses.replace(COMPILED, debug_dump_path=dump)
+    compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
     return eager, compiled
 
 
@@ -101,6 +105,65 @@ def test_boundaries_are_checked_in_debug_mode(engines):
     with pytest.raises(ContiguityError, match="strided view crossed a split boundary"):
         _check_contiguous("submod_1", "input", (torch.ones(4, 6).t(),))
     _check_contiguous("submod_1", "input", (torch.ones(4, 6), torch.ones(0)))
+
+
+def test_the_dump_shows_every_piece_and_its_code(engines):
+    """debug_dump_path: the traced graph, the split graph, an index of the pieces, and the code
+    Inductor generated for each compiled piece (none for the splitting ops)."""
+    _, compiled = engines
+    (out,) = Path(compiled.plan.requested.debug_dump_path).iterdir()  # one compilation
+    assert out.name == "compilation_0"
+    layers = compiled.model_config.num_layers
+    split_graph = (out / "split_graph.py").read_text()
+    assert split_graph.count("= torch.ops.kiln.torch_paged_attention(") == layers
+    assert "torch_paged_attention" in (out / "dynamo_graph.py").read_text()
+    index = (out / "pieces.txt").read_text().splitlines()[1:]
+    eager_rows = [row for row in index if row.split()[1:4] == ["splitting", "op", "eager"]]
+    compiled_rows = [row for row in index if row.split()[1:3] == ["piece", "inductor"]]
+    assert (len(eager_rows), len(compiled_rows)) == (layers, layers + 1) and len(
+        index
+    ) == 2 * layers + 1
+    assert "float32[u1, 64] stride [64, 1]" in compiled_rows[1]  # tokens: a symbolic size
+    codes = sorted(out.glob("*.inductor.py"))
+    assert [c.name.split(".")[0] for c in codes] == sorted(r.split()[0] for r in compiled_rows)
+    assert all("def call(" in c.read_text() for c in codes)
+    assert all("assert_size_stride(" in c.read_text() for c in codes)  # Inductor's default
+
+
+def test_inductor_options_reach_inductor(tiny_models, tmp_path):
+    """inductor_compile_config is applied to every piece: with size_asserts off, the generated
+    code has no input stride asserts (which the default keeps, above)."""
+    config = dataclasses.replace(
+        COMPILED,
+        inductor_compile_config={"size_asserts": False},
+        debug_dump_path=str(tmp_path),
+    )
+    path = tiny_models["llama"]
+    compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
+    assert compiled.plan.inductor_options == (("size_asserts", False),)
+    _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled)
+    codes = list(tmp_path.glob("compilation_0/*.inductor.py"))
+    assert len(codes) == compiled.model_config.num_layers + 1
+    assert not any("assert_size_stride(" in c.read_text() for c in codes)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_backends_without_inductor_match_eager(tiny_models, tmp_path, backend):
+    """vLLM's `backend: eager` bisects a compiled-mode problem: Dynamo and the split, without
+    Inductor (aot_eager: with AOTAutograd). The pieces run uncompiled, with eager's results."""
+    config = dataclasses.replace(COMPILED, backend=backend, debug_dump_path=str(tmp_path))
+    path = tiny_models["llama"]
+    compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
+    assert compiled.plan.backend == backend and "piece backend" in compiled.plan.table()
+    _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled)
+    stats = compiled.runner.compile_backend.stats
+    assert (stats.compilations, stats.pieces) == (1, compiled.model_config.num_layers + 1)
+    index = (tmp_path / "compilation_0" / "pieces.txt").read_text()
+    assert f"piece          {backend}" in index and not list(tmp_path.glob("*/*.inductor.py"))
+    inductor_files = [
+        p for p in (compiled.compile_cache.path / "inductor").rglob("*") if p.is_file()
+    ]
+    assert not inductor_files  # nothing was compiled by Inductor into the entry
 
 
 def test_unsplit_compile_matches_eager_and_owns_its_caches(tiny_models):

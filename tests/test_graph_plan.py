@@ -19,7 +19,7 @@ from kiln.compilation import (
     resolve_graph_plan,
 )
 from kiln.compilation.dispatcher import BatchDescriptor, describe, dispatch
-from kiln.compilation.plan import log_plan
+from kiln.compilation.plan_table import log_plan
 from kiln.errors import ConfigError
 
 M = CUDAGraphMode
@@ -220,9 +220,59 @@ def test_config_parsing_errors():
         ('{"mode": "STOCK_TORCH_COMPILE"}', "vLLM's STOCK_TORCH_COMPILE"),
         ('{"mode": "3"}', "as a number or vLLM's names"),
         ('{"level": 3, "mode": 0}', "keep only mode"),
+        ('{"backend": "cudagraphs"}', 'compiles the pieces with "inductor"'),
+        ('{"inductor_compile_config": {"max_autotun": true}}', "did you mean max_autotune"),
+        ('{"inductor_compile_config": {"max_autotune": 1}}', "takes true or false"),
+        ('{"inductor_compile_config": {"cpp.threads": "4"}}', "takes an integer"),
+        ('{"inductor_compile_config": "max_autotune"}', "an object of Inductor options"),
+        ('{"debug_dump_path": ""}', "a directory path"),
     ]:
         with pytest.raises(ConfigError, match=words):
             CompilationConfig.from_json(bad)
+
+
+def test_compiler_settings_resolve_and_unused_ones_are_told(caplog):
+    """backend, inductor_compile_config and debug_dump_path: resolved into the plan, and each
+    one that cannot take effect is a change naming the remedy (strict mode refuses it)."""
+    options = {"size_asserts": False, "max_autotune": True}
+    p = plan(M.PIECEWISE, inductor_compile_config=options, backend="")
+    assert (p.backend, p.inductor_options, p.changes) == (
+        "inductor",
+        tuple(sorted(options.items())),
+        (),
+    )
+    assert "size_asserts=False" in p.table()
+    assert p.to_dict()["inductor_compile_config"] == options
+    assert plan(M.PIECEWISE, backend="EAGER").backend == "eager"
+    nested = {"cpp": {"simdlen": 8}, "max_autotune": True}  # -O.inductor_compile_config.cpp.simdlen
+    assert CompilationConfig(inductor_compile_config=nested).inductor_options == {
+        "cpp.simdlen": 8,
+        "max_autotune": True,
+    }
+    assert plan(M.NONE, mode=0, backend="inductor").changes == ()  # the default, spelt out
+    cases = [
+        (dict(mode=0, backend="eager"), "backend", "mode 0 compiles nothing", '"mode": 3'),
+        (dict(mode=0, debug_dump_path="/tmp/d"), "debug_dump_path", "mode 0", '"mode": 3'),
+        (dict(mode=0, inductor_compile_config=options), "inductor_compile_config", "mode 0", "3"),
+        (
+            dict(backend="aot_eager", inductor_compile_config=options),
+            "inductor_compile_config",
+            "backend aot_eager does not run Inductor",
+            'drop "backend"',
+        ),
+    ]
+    for kw, name, reason, remedy in cases:
+        p = plan(M.NONE, **kw)
+        (change,) = p.changes
+        assert (change.field, change.resolved) == (name, "(unused)")
+        assert reason in change.reason and remedy in change.remedy
+        assert p.inductor_options == () and (p.backend is None) == (p.mode == 0)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            log_plan(p, logging.getLogger("test"))
+        assert [r.getMessage() for r in caplog.records] == [f"graph plan: {change.message()}"]
+        with pytest.raises(ConfigError, match=f"(?s)--strict-graphs.*  - {name} "):
+            plan(M.NONE, strict=True, **kw)
 
 
 def test_vllm_spellings_of_the_mode_carry_over(caplog):

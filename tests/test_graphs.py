@@ -42,10 +42,13 @@ def _workload():
     return [(t, p, params) for t, p in zip([0, 0, 1, 3, 5, 6], prompts)]
 
 
-def _engine(path, cudagraph_mode, mode, backend, graphs=True, kv=2**20):
+def _engine(path, cudagraph_mode, mode, backend, graphs=True, kv=2**20, piece_backend=None):
     """kv=PREEMPTING: 96 tokens of KV for ~180 tokens of work, so sequences get preempted."""
     config = CompilationConfig(
-        mode=mode, cudagraph_mode=cudagraph_mode, cudagraph_capture_sizes=SIZES
+        mode=mode,
+        cudagraph_mode=cudagraph_mode,
+        cudagraph_capture_sizes=SIZES,
+        backend=piece_backend,
     )
     return make_engine(
         path,
@@ -106,6 +109,18 @@ def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, back
     # the attention ops fill an output the piece before them allocated: a PIECEWISE replay
     # finds every input at its captured address (it copied each layer's output before)
     assert st.graphs["piecewise_input_copies"] == 0
+
+
+def test_piecewise_graphs_of_uncompiled_pieces_equal_eager(tiny_models, references):
+    """`backend: eager` keeps the split and the piecewise graphs, and leaves Inductor out: what
+    tells an Inductor problem from a graph or split problem under PIECEWISE."""
+    llama = tiny_models["llama"]
+    engine = _engine(llama, "PIECEWISE", 3, "torch", kv=PREEMPTING, piece_backend="eager")
+    assert engine.capture.graphs > 0 and engine.plan.backend == "eager"
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, references["torch"])
+    st = engine.stats().graphs
+    assert st["steps"]["PIECEWISE"] > 0 and st["steps"]["NONE"] == st["graph_misses"] == 0
 
 
 def test_a_graph_miss_is_counted_and_told(tiny_models, caplog):

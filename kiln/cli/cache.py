@@ -16,10 +16,13 @@ def _describe(fields: dict) -> str:
     arch = fields.get("model_config", {}).get("architecture", "?")
     triton = f" triton {fields['triton']}" if fields.get("triton") else ""
     env = "".join(f" {k}={v}" for k, v in fields.get("env", {}).items())
+    backend = comp.get("backend")
+    compiler = f" backend {backend}" if backend not in (None, "inductor") else ""
+    compiler += "".join(f" {k}={v}" for k, v in (comp.get("inductor_compile_config") or {}).items())
     return (
         f"{arch} {fields.get('dtype', '?')} {fields.get('device', '?')} mode "
-        f"{comp.get('mode', '?')} {comp.get('cudagraph_mode', '?')} torch {fields.get('torch')}"
-        f"{triton}{env}"
+        f"{comp.get('mode', '?')} {comp.get('cudagraph_mode', '?')}{compiler} torch "
+        f"{fields.get('torch')}{triton}{env}"
     )
 
 

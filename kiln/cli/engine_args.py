@@ -40,8 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -
         "-O",
         help='JSON, e.g. \'{"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}\' '
         "(vLLM's fields: mode, cudagraph_mode, cudagraph_capture_sizes, "
-        "max_cudagraph_capture_size, splitting_ops), or a field per flag as in vLLM: "
-        "-O.mode=3 -O.cudagraph_capture_sizes+=1,2,4",
+        "max_cudagraph_capture_size, splitting_ops, backend (inductor, aot_eager, eager), "
+        "inductor_compile_config, debug_dump_path), or a field per flag as in vLLM: "
+        "-O.mode=3 -O.cudagraph_capture_sizes+=1,2,4 -O.backend=eager",
     )
     g.add_argument(
         "--boot-timeout",

@@ -1,5 +1,6 @@
 """kiln's torch.compile backend: split the traced FX graph at the splitting ops, compile every
-piece in between with Inductor, run the splitting ops eagerly between them.
+piece in between with Inductor (or, to bisect a problem, AOTAutograd alone or nothing), run the
+splitting ops eagerly between them.
 
 Dynamic shapes: the token and batch dimensions of the model's inputs are marked unbacked before
 each call, so one compilation serves every batch size, 0 and 1 included (a backed dimension
@@ -18,6 +19,7 @@ import torch
 from torch.fx.passes.split_module import split_module
 
 from kiln.compilation.config import qualified_op_name
+from kiln.compilation.dump import GraphDump
 from kiln.compilation.graphs import PiecewiseGraphs
 from kiln.errors import ConfigError, KilnError
 
@@ -99,12 +101,44 @@ def _check_contiguous(piece: str, what: str, value: Any) -> None:
             )
 
 
+def compile_piece(
+    backend: str, options: dict[str, Any], gm: torch.fx.GraphModule, inputs: list
+) -> Callable:
+    """One piece compiled by `backend` (config.PIECE_BACKENDS), Inductor with `options`."""
+    if backend == "eager":
+        return gm
+    from torch._inductor.compile_fx import compile_fx, graph_returns_tuple, make_graph_return_tuple
+
+    if backend == "aot_eager":
+        from torch._dynamo.backends.registry import lookup_backend
+
+        aot_eager = lookup_backend("aot_eager")
+        if graph_returns_tuple(gm):
+            return aot_eager(gm, inputs)
+        return make_graph_return_tuple(gm, inputs, aot_eager)  # a piece may return one tensor
+
+    with torch._inductor.config.patch(options):
+        return compile_fx(gm, inputs)
+
+
+@dataclass(frozen=True)
+class PieceCompiler:
+    """What compiles the pieces: the plan's backend and Inductor options, and where to dump."""
+
+    backend: str = "inductor"
+    inductor_options: tuple[tuple[str, Any], ...] = ()
+    dump: GraphDump | None = None
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list) -> Callable:
+        return compile_piece(self.backend, dict(self.inductor_options), gm, inputs)
+
+
 class SplitBackend:
     def __init__(
         self,
         splitting_ops: Sequence[str],
         debug_contiguity: bool = False,
-        inductor: bool = True,
+        compiler: PieceCompiler | None = None,
         traced_code: types.CodeType | None = None,
     ) -> None:
         """`traced_code`: the code object torch.compile traces (the model's forward), whose
@@ -113,7 +147,7 @@ class SplitBackend:
         self.splitting_ops = {qualified_op_name(s) for s in splitting_ops}
         self._traced_code = weakref.ref(traced_code) if traced_code is not None else None
         self.debug_contiguity = debug_contiguity
-        self.inductor = inductor
+        self.compiler = compiler or PieceCompiler()
         self.stats = CompileStats()
         self.last_graph: torch.fx.GraphModule | None = None
         self.piecewise: PiecewiseGraphs | None = None  # set by the runner when the plan has them
@@ -126,7 +160,11 @@ class SplitBackend:
         if self.stats.warmed_up:
             self._count_recompilation()
         split, names = self._split(gm)
-        self._compile_pieces(split, names, example_inputs)
+        compiled, inputs = self._compile_pieces(split, names, example_inputs)
+        if self.compiler.dump is not None:
+            self.compiler.dump.write(gm, split, names, inputs, compiled)
+        for name, module in compiled.items():
+            setattr(split, name, module)
         self.last_graph = split
         return split
 
@@ -165,9 +203,9 @@ class SplitBackend:
 
     def _compile_pieces(
         self, split: torch.fx.GraphModule, is_split: dict[str, bool], example_inputs: list
-    ) -> None:
-        """Run the split graph on fake inputs to learn each piece's inputs, compile the pieces."""
-        from torch._inductor.compile_fx import compile_fx
+    ) -> tuple[dict[str, torch.nn.Module], dict[str, list]]:
+        """Run the split graph on fake inputs to learn each piece's inputs, compile the pieces.
+        Returns the modules that replace the split graph's children, and each child's inputs."""
         from torch._subclasses.fake_tensor import FakeTensor
 
         fake_mode = torch._guards.detect_fake_mode(example_inputs)
@@ -178,13 +216,15 @@ class SplitBackend:
             for x in example_inputs
         ]
         compiled: dict[str, torch.nn.Module] = {}
+        inputs: dict[str, list] = {}
         backend = self
 
         class Recorder(torch.fx.Interpreter):
             def call_module(self, target, args, kwargs):
                 sub = self.fetch_attr(target)
+                inputs[target] = list(args)
                 if not is_split[target]:
-                    fn = compile_fx(sub, list(args)) if backend.inductor else sub
+                    fn = backend.compiler(sub, list(args))
                     compiled[target] = _Piece(target, fn, backend.debug_contiguity, backend)
                 elif backend.debug_contiguity:
                     compiled[target] = _SplitCall(target, sub)
@@ -192,9 +232,8 @@ class SplitBackend:
 
         with fake_mode:
             Recorder(split).run(*fakes)
-        for name, module in compiled.items():
-            setattr(split, name, module)
         self.stats.pieces = sum(1 for v in is_split.values() if not v)
+        return compiled, inputs
 
 
 def recompile_reason(code: types.CodeType | None) -> str:

@@ -122,6 +122,8 @@ PLAN_KEY_FIELDS = (
     "decode_capture_sizes",
     "mixed_capture_sizes",
     "splitting_ops",
+    "backend",
+    "inductor_compile_config",
 )
 
 

@@ -4,6 +4,7 @@ given explicitly that cannot run is changed with a warning (or refused under --s
 
 from __future__ import annotations
 
+import difflib
 import enum
 import json
 import logging
@@ -93,6 +94,79 @@ def _parse_ops(ops: Any) -> tuple[str, ...]:
     return tuple(qualified_op_name(s) for s in ops)
 
 
+# vLLM's `backend` field: what compiles the pieces. "eager" and "aot_eager" leave Inductor out,
+# which tells a Dynamo or AOTAutograd problem from an Inductor one (vLLM's `-cc.backend=eager`).
+PIECE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def _parse_backend(value: Any) -> str:
+    name = value.lower() if isinstance(value, str) else value
+    if name == "":
+        return "inductor"  # vLLM's default spelling
+    if name not in PIECE_BACKENDS:
+        raise ConfigError(
+            f'backend {value!r} is not supported: kiln compiles the pieces with "inductor" '
+            '(the default), or runs them without Inductor with "aot_eager" (AOTAutograd '
+            'only) or "eager" (the traced graph as it is)'
+        )
+    return name
+
+
+def _parse_inductor_config(options: Any) -> tuple[tuple[str, Any], ...]:
+    """Inductor's own option names (torch._inductor.config), each checked against this torch:
+    a misspelt option would change nothing."""
+    if isinstance(options, tuple):  # already parsed (dataclasses.replace)
+        options = dict(options)
+    if not isinstance(options, dict):
+        raise ConfigError(
+            "inductor_compile_config must be an object of Inductor options, e.g. "
+            f'{{"max_autotune": true}}, got {options!r}'
+        )
+    import torch
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    options = dict(_flatten(options, known))
+    for name, value in options.items():
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=3)
+            hint = f"; did you mean {', '.join(close)}?" if close else ""
+            raise ConfigError(
+                f"inductor_compile_config: {name!r} is not an option of torch {torch.__version__}"
+                f"'s Inductor (torch._inductor.config){hint}"
+            )
+        _check_option_type(name, value, known[name])
+    return tuple(sorted(options.items()))
+
+
+def _flatten(options: dict[str, Any], known: dict[str, Any], prefix: str = ""):
+    """{"cpp": {"simdlen": 8}} (what `-O.inductor_compile_config.cpp.simdlen=8` gives) is
+    Inductor's "cpp.simdlen"; an option whose value is a dict stays one option."""
+    for key, value in options.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and name not in known:
+            yield from _flatten(value, known, f"{name}.")
+        else:
+            yield name, value
+
+
+_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _check_option_type(name: str, value: Any, default: Any) -> None:
+    for kind, kind_name in _KIND_NAMES.items():  # bool first: it is an int too
+        if isinstance(default, kind):
+            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+            if kind is float:
+                ok = ok or _is_int(value)
+            if not ok:
+                raise ConfigError(
+                    f"inductor_compile_config: {name} takes {kind_name} (its default is "
+                    f"{default!r}), got {value!r}"
+                )
+            return
+
+
 @dataclass(frozen=True)
 class CompilationConfig:
     mode: int | None = None  # 0: eager, 3: torch.compile with kiln's split backend
@@ -100,6 +174,9 @@ class CompilationConfig:
     cudagraph_capture_sizes: tuple[int, ...] | None = None
     max_cudagraph_capture_size: int | None = None
     splitting_ops: tuple[str, ...] | None = None
+    backend: str | None = None  # what compiles the pieces (PIECE_BACKENDS); None: inductor
+    inductor_compile_config: tuple[tuple[str, Any], ...] | None = None  # Inductor's options
+    debug_dump_path: str | None = None  # where each compilation writes its graphs and code
     debug_contiguity: bool = False  # check every tensor at a split boundary (tests)
 
     def __post_init__(self) -> None:
@@ -108,6 +185,8 @@ class CompilationConfig:
             "cudagraph_mode": CUDAGraphMode.parse,
             "cudagraph_capture_sizes": _parse_sizes,
             "splitting_ops": _parse_ops,
+            "backend": _parse_backend,
+            "inductor_compile_config": _parse_inductor_config,
         }
         for name, parse in parsed.items():
             if getattr(self, name) is not None:
@@ -115,6 +194,9 @@ class CompilationConfig:
         cap = self.max_cudagraph_capture_size
         if cap is not None and (not _is_int(cap) or cap < 1):
             raise ConfigError(f"max_cudagraph_capture_size must be an integer >= 1, got {cap!r}")
+        dump = self.debug_dump_path
+        if dump is not None and (not isinstance(dump, str) or not dump):
+            raise ConfigError(f"debug_dump_path must be a directory path, got {dump!r}")
         if not isinstance(self.debug_contiguity, bool):
             raise ConfigError(
                 f"debug_contiguity must be true or false, got {self.debug_contiguity!r}"
@@ -140,7 +222,13 @@ class CompilationConfig:
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["cudagraph_mode"] = self.cudagraph_mode.value if self.cudagraph_mode else None
+        d["inductor_compile_config"] = self.inductor_options
         return d
+
+    @property
+    def inductor_options(self) -> dict[str, Any] | None:
+        options = self.inductor_compile_config
+        return dict(options) if options is not None else None
 
 
 def compilation_data(text: str) -> dict[str, Any]:

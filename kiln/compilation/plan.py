@@ -5,11 +5,13 @@ the reason and the remedy; the engine logs each as a WARNING, and strict mode re
 from __future__ import annotations
 
 import enum
-import logging
+import json
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.config import CompilationConfig, CUDAGraphMode
+from kiln.compilation.plan_table import show
 from kiln.errors import ConfigError
 
 
@@ -76,6 +78,8 @@ class GraphPlan:
     splitting_ops: tuple[str, ...]
     uniform_decode_query_len: int
     changes: tuple[PlanChange, ...] = field(default_factory=tuple)
+    backend: str | None = None  # what compiles the pieces (mode 3), None in mode 0
+    inductor_options: tuple[tuple[str, Any], ...] = ()  # applied when backend is inductor
 
     def to_dict(self) -> dict:
         return {
@@ -88,54 +92,16 @@ class GraphPlan:
             "mixed_capture_sizes": list(self.mixed_capture_sizes),
             "splitting_ops": list(self.splitting_ops),
             "uniform_decode_query_len": self.uniform_decode_query_len,
+            "backend": self.backend,
+            "inductor_compile_config": dict(self.inductor_options),
             "changes": [vars(c) for c in self.changes],
         }
 
-    def _splits(self) -> str:
-        if self.mode != 3:
-            return "(not compiled)"
-        return ", ".join(self.splitting_ops) or "(none: one Inductor graph)"
-
     def table(self) -> str:
         """The short table printed at boot."""
-        req = self.requested
-        rows = [
-            ("compilation mode", _show(req.mode), str(self.mode)),
-            ("cudagraph_mode", _show(req.cudagraph_mode), self.cudagraph_mode.value),
-            ("decode / mixed", "", f"{self.decode_mode.value} / {self.mixed_mode.value}"),
-            ("decode capture sizes", "", _sizes(self.decode_capture_sizes)),
-            ("mixed capture sizes", "", _sizes(self.mixed_capture_sizes)),
-            ("splitting ops", _ops(req.splitting_ops), self._splits()),
-        ]
-        lines = [f"{'graph plan':<22} {'requested':<20} resolved"]
-        lines += [f"{a:<22} {b:<20} {c}" for a, b, c in rows]
-        lines += [f"  changed: {c.message()}" for c in self.changes]
-        return "\n".join(lines)
+        from kiln.compilation.plan_table import plan_table
 
-
-def log_plan(plan: GraphPlan, log: logging.Logger) -> None:
-    """One WARNING per change (each names its remedy), then the table at INFO."""
-    for change in plan.changes:
-        log.warning("graph plan: %s", change.message())
-    log.info("graph plan:\n%s", plan.table())
-
-
-def _show(value) -> str:
-    if value is None:
-        return "(default)"
-    return value.value if isinstance(value, enum.Enum) else str(value)
-
-
-def _ops(ops: tuple[str, ...] | None) -> str:
-    return "(default)" if ops is None else ", ".join(ops) or "[]"
-
-
-def _sizes(sizes: tuple[int, ...]) -> str:
-    if not sizes:
-        return "(none)"
-    if len(sizes) <= 8:
-        return ", ".join(map(str, sizes))
-    return f"{', '.join(map(str, sizes[:4]))}, ..., {sizes[-1]} ({len(sizes)} sizes)"
+        return plan_table(self)
 
 
 def default_capture_sizes(max_size: int) -> tuple[int, ...]:
@@ -155,7 +121,7 @@ class _Resolution:
         old = self.graph if field_name == "cudagraph_mode" else self.mode
         if old == to:
             return
-        self.changes.append(PlanChange(field_name, _show(old), _show(to), reason, remedy))
+        self.changes.append(PlanChange(field_name, show(old), show(to), reason, remedy))
         if field_name == "cudagraph_mode":
             self.graph = to
         else:
@@ -196,6 +162,7 @@ def resolve_graph_plan(
         # with the attention op inside as an extern call: no per-piece call overhead (on the
         # CPU 1.09x faster at single-stream decode than the split graph, 1.22x at 8 streams).
         splitting = ()
+    backend, inductor_options = _resolve_compiler(r, requested)
     if strict and r.changes:
         raise ConfigError(
             "--strict-graphs: the requested compilation config cannot run as asked:\n"
@@ -212,6 +179,8 @@ def resolve_graph_plan(
         splitting_ops=tuple(splitting) if r.mode == 3 else (),
         uniform_decode_query_len=uniform_decode_query_len,
         changes=tuple(r.changes),
+        backend=backend,
+        inductor_options=inductor_options,
     )
 
 
@@ -259,6 +228,35 @@ def _resolve_compilation(r: _Resolution) -> None:
             why + "; the FULL decode graphs are kept",
             'set "mode": 3',
         )
+
+
+def _resolve_compiler(
+    r: _Resolution, req: CompilationConfig
+) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
+    """What compiles the pieces, and with which Inductor options. Each compiler setting that
+    cannot take effect is a change: a user who asked for a dump or an option and got nothing
+    would look for it."""
+    backend = (req.backend or "inductor") if r.mode == 3 else None
+    options = req.inductor_compile_config or ()
+    unused = {
+        "backend": req.backend not in (None, "inductor") and r.mode != 3,
+        "debug_dump_path": req.debug_dump_path is not None and r.mode != 3,
+        "inductor_compile_config": bool(options) and backend != "inductor",
+    }
+    for name, is_unused in unused.items():
+        if is_unused:
+            r.changes.append(_unused_compiler_setting(name, req, r.mode))
+    return backend, options if backend == "inductor" else ()
+
+
+def _unused_compiler_setting(name: str, req: CompilationConfig, mode: int) -> PlanChange:
+    value = req.inductor_options if name == "inductor_compile_config" else getattr(req, name)
+    if mode != 3:
+        reason, remedy = "mode 0 compiles nothing", 'set "mode": 3'
+    else:
+        reason = f"backend {req.backend} does not run Inductor"
+        remedy = 'drop "backend" (Inductor is the default) or the Inductor options'
+    return PlanChange(name, json.dumps(value), "(unused)", reason, remedy)
 
 
 def _decode_supported(support: GraphSupport, query_len: int) -> bool:
