@@ -285,6 +285,16 @@ def test_vllm_spellings_of_the_mode_carry_over(caplog):
         assert CompilationConfig.from_json('{"level": 3}') == CompilationConfig(mode=3)
         assert CompilationConfig.from_json({"level": "PIECEWISE", "mode": 3}).mode == 3
     assert caplog.text.count("'level' is vLLM's name for 'mode'") == 2
+    with caplog.at_level(logging.WARNING):
+        assert CompilationConfig.from_json({"use_inductor": False}).backend == "eager"
+        assert CompilationConfig.from_json({"use_inductor": True, "backend": ""}).backend == (
+            "inductor"
+        )
+    assert caplog.text.count('use_inductor false as "backend": "eager"') == 1
+    with pytest.raises(ConfigError, match="keep only backend"):
+        CompilationConfig.from_json({"use_inductor": False, "backend": "inductor"})
+    with pytest.raises(ConfigError, match="use_inductor must be true or false"):
+        CompilationConfig.from_json({"use_inductor": 0})
 
 
 def test_dispatcher():

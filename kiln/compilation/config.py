@@ -211,6 +211,7 @@ class CompilationConfig:
         if _is_int(text):
             text = {"mode": text}
         data = _level_as_mode(text if isinstance(text, dict) else compilation_data(str(text)))
+        data = _use_inductor_as_backend(data)
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -261,4 +262,30 @@ def _level_as_mode(data: dict[str, Any]) -> dict[str, Any]:
         level,
     )
     data.setdefault("mode", level)
+    return data
+
+
+def _use_inductor_as_backend(data: dict[str, Any]) -> dict[str, Any]:
+    """vLLM before v0.11 turned Inductor off with `use_inductor: false`; `backend` replaced it."""
+    if "use_inductor" not in data:
+        return data
+    data = dict(data)
+    use = data.pop("use_inductor")
+    if not isinstance(use, bool):
+        raise ConfigError(f"use_inductor must be true or false, got {use!r}")
+    implied = "inductor" if use else "eager"
+    given = _parse_backend(data["backend"]) if "backend" in data else implied
+    if given != implied:
+        raise ConfigError(
+            f"--compilation-config gives use_inductor {str(use).lower()} and backend "
+            f"{data['backend']!r}; use_inductor is vLLM's old switch for backend: keep only "
+            "backend"
+        )
+    logger.warning(
+        "--compilation-config: 'use_inductor' is vLLM's switch before v0.11; kiln reads "
+        'use_inductor %s as "backend": "%s" (write "backend" to silence this warning)',
+        str(use).lower(),
+        implied,
+    )
+    data["backend"] = given
     return data
