@@ -244,6 +244,9 @@ def test_compiler_settings_resolve_and_unused_ones_are_told(caplog):
     assert "size_asserts=False" in p.table()
     assert p.to_dict()["inductor_compile_config"] == options
     assert plan(M.PIECEWISE, backend="EAGER").backend == "eager"
+    # one graph by default where nothing replays pieces, but not under aot_eager, which would
+    # copy the KV caches the attention op writes (nothing reinplaces it without Inductor)
+    assert [plan(M.NONE, backend=b).splitting_ops for b in ("eager", "aot_eager")] == [(), OPS]
     nested = {"cpp": {"simdlen": 8}, "max_autotune": True}  # -O.inductor_compile_config.cpp.simdlen
     assert CompilationConfig(inductor_compile_config=nested).inductor_options == {
         "cpp.simdlen": 8,
