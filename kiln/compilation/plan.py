@@ -11,7 +11,7 @@ from typing import Any
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.config import CompilationConfig, CUDAGraphMode
-from kiln.compilation.plan_table import show
+from kiln.compilation.plan_table import plan_table, show
 from kiln.errors import ConfigError
 
 
@@ -99,8 +99,6 @@ class GraphPlan:
 
     def table(self) -> str:
         """The short table printed at boot."""
-        from kiln.compilation.plan_table import plan_table
-
         return plan_table(self)
 
 
@@ -258,7 +256,7 @@ def _unused_compiler_setting(name: str, req: CompilationConfig, mode: int) -> Pl
     else:
         reason = f"backend {req.backend} does not run Inductor"
         remedy = 'drop "backend" (Inductor is the default) or the Inductor options'
-    return PlanChange(name, json.dumps(value), "(unused)", reason, remedy)
+    return PlanChange(name, json.dumps(value, default=str), "(unused)", reason, remedy)
 
 
 def _decode_supported(support: GraphSupport, query_len: int) -> bool:
