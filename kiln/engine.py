@@ -208,6 +208,11 @@ class LLMEngine:
         self.num_steps = 0
         if self.compile_cache is not None:
             self.compile_cache.seal()
+            stats = self.runner.compile_backend.stats
+            reused = "reused" if self.compile_cache.reused else "new"
+            logger.info(
+                "torch.compile: %s (compile cache %s)", stats.summary(self.plan.backend), reused
+            )
 
     def _size_kv_cache(self, graph_reserve: int = 0) -> int:
         bs = self.config.cache.block_size
@@ -328,6 +333,19 @@ class LLMEngine:
     def capture_stats(self) -> dict[str, float]:
         """Graphs captured at boot: how many, how long, the memory measured and reserved."""
         return self.capture.to_dict()
+
+    def compilation(self) -> dict | None:
+        """What mode 3 compiled and how long it took, for /v1/engine (None in mode 0)."""
+        if self.runner.compile_backend is None:
+            return None
+        st = self.runner.compile_backend.stats
+        return {
+            "backend": self.plan.backend,
+            "compilations": st.compilations,
+            "pieces": st.pieces,
+            "compile_s": round(st.compile_s, 3),
+            "backend_s": round(st.backend_s, 3),
+        }
 
     def stats(self) -> EngineStats:
         b = self.blocks

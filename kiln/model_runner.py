@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -233,9 +234,15 @@ class ModelRunner:
     def _forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:
-        if self.compile_backend is not None:
-            mark_dynamic_dims(self._dynamic_inputs(input_ids, positions, meta))
-        return self.forward(input_ids, positions, meta)
+        stats = self.compile_backend.stats if self.compile_backend is not None else None
+        if stats is None:
+            return self.forward(input_ids, positions, meta)
+        mark_dynamic_dims(self._dynamic_inputs(input_ids, positions, meta))
+        compilations, start = stats.compilations, time.perf_counter()
+        out = self.forward(input_ids, positions, meta)
+        if stats.compilations != compilations:  # this call compiled
+            stats.compile_s += time.perf_counter() - start
+        return out
 
     # ---- capture ------------------------------------------------------------------------
 

@@ -65,6 +65,7 @@ def test_info_prints_architecture_and_config():
     rows = dict(line.split("  ", 1) for line in res.stdout.splitlines() if "  " in line)
     assert "load model" in rows["boot"] and "warm up" in rows["boot"]
     assert rows["compile cache"].strip() == "none (mode 0 compiles nothing)"
+    assert rows["torch.compile"].strip() == "none (mode 0 compiles nothing)"
     assert rows["CUDA graphs"].strip() == "none captured"
 
 

@@ -81,6 +81,16 @@ def test_one_compilation_serves_every_batch_size(engines):
     assert stats.splitting_op_calls == compiled.model_config.num_layers
 
 
+def test_compile_time_is_measured(engines):
+    """What /v1/engine and `kiln info` report: the compiling call's wall time, of which kiln's
+    backend is a part, within the warm-up phase that made it."""
+    _, compiled = engines
+    info = compiled.compilation()
+    assert (info["backend"], info["compilations"]) == ("inductor", 1)
+    assert info["pieces"] == compiled.model_config.num_layers + 1
+    assert 0 < info["backend_s"] < info["compile_s"] <= compiled.boot.durations["warm_up"]
+
+
 def test_the_plan_only_preview_is_what_boot_resolved(engines):
     """`kiln info --plan-only`: the same plan and compile cache entry as the boot of that
     configuration, found sealed, without loading a weight or compiling."""
@@ -148,16 +158,21 @@ def test_inductor_options_reach_inductor(tiny_models, tmp_path):
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
-def test_backends_without_inductor_match_eager(tiny_models, tmp_path, backend):
+def test_backends_without_inductor_match_eager(tiny_models, tmp_path, backend, caplog):
     """vLLM's `backend: eager` bisects a compiled-mode problem: Dynamo and the split, without
     Inductor (aot_eager: with AOTAutograd). The pieces run uncompiled, with eager's results."""
     config = dataclasses.replace(COMPILED, backend=backend, debug_dump_path=str(tmp_path))
     path = tiny_models["llama"]
-    compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
+    with caplog.at_level(logging.INFO, logger="kiln.engine"):
+        compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
     assert compiled.plan.backend == backend and "piece backend" in compiled.plan.table()
     _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled)
     stats = compiled.runner.compile_backend.stats
     assert (stats.compilations, stats.pieces) == (1, compiled.model_config.num_layers + 1)
+    told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
+    entry = "reused" if compiled.compile_cache.reused else "new"
+    assert told == [f"torch.compile: {stats.summary(backend)} (compile cache {entry})"]
+    assert f"1 graph, 3 pieces ({backend}) in " in told[0]
     index = (tmp_path / "compilation_0" / "pieces.txt").read_text()
     assert f"piece          {backend}" in index and not list(tmp_path.glob("*/*.inductor.py"))
     inductor_files = [

@@ -55,7 +55,7 @@ def test_models_and_engine(client, server):
     assert model.max_model_len == 8192 and model.root.endswith(".gguf")
     info = _engine(server)
     assert info["graph_plan"]["cudagraph_mode"] == "NONE" and info["max_model_len"] == 8192
-    assert info["compile_cache"] is None  # mode 0 compiles nothing
+    assert info["compile_cache"] is None and info["compilation"] is None  # mode 0
 
 
 def test_chat_and_completion(client):

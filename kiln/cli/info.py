@@ -46,6 +46,7 @@ def _boot_rows(engine) -> list[tuple[str, str]]:
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
         ("boot", _boot(engine)),
         ("compile cache", _compile_cache(engine)),
+        ("torch.compile", _compilation(engine)),
         ("CUDA graphs", _graphs(engine)),
     ]
 
@@ -63,6 +64,11 @@ def _compile_cache(engine) -> str:
         return NO_COMPILE_CACHE
     waited = f", waited {entry.waited_s:.1f} s for another process" if entry.waited_s else ""
     return f"{entry.path} ({'reused' if entry.reused else 'new'}{waited})"
+
+
+def _compilation(engine) -> str:
+    backend = engine.runner.compile_backend
+    return backend.stats.summary(engine.plan.backend) if backend else NO_COMPILE_CACHE
 
 
 def _graphs(engine) -> str:

@@ -92,6 +92,7 @@ def engine_info(core: LLMEngine) -> dict:
         },
         "graph_plan": core.plan.to_dict(),
         "compile_cache": core.compile_cache.to_dict() if core.compile_cache else None,
+        "compilation": core.compilation(),
         "boot": dict(core.boot_phases),
         "capture": core.capture_stats(),
         "stats": {**vars(st), "prefix_cache_hit_rate": st.prefix_cache_hit_rate},
