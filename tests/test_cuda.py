@@ -97,6 +97,14 @@ def eager_reference(tiny_models):
     return run_schedule(engine, _workload(), record_logits=True), engine.stats().num_preemptions
 
 
+def _assert_equals_reference(finals, logits, ref, ref_logits) -> None:
+    """Eager's greedy tokens, and its logits within the GPU's float32 noise, for every request."""
+    for rid in ref:
+        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+
+
 GRAPH_MODES = ["NONE", "PIECEWISE", "FULL", "FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"]
 
 
@@ -110,10 +118,7 @@ def test_cuda_graph_mode_equals_eager(tiny_models, eager_reference, graph_mode):
     # share the compiled forward (the block count is symbolic)
     assert engine.runner.compile_backend.stats.compilations == 1
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    for rid in ref:
-        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+    _assert_equals_reference(finals, logits, ref, ref_logits)
     st = engine.stats()
     assert finals["5"].num_cached_tokens > 0
     assert st.num_preemptions == preemptions > 0
@@ -177,10 +182,7 @@ def test_cuda_graphs_of_every_size_share_one_pool(wide_model, wide_engine):
     eager = _engine(wide_model, "float32", eager_config, kv=None, max_num_batched_tokens=512)
     ref, ref_logits = run_schedule(eager, _workload(), record_logits=True)
     finals, logits = run_schedule(wide_engine, _workload(), record_logits=True)
-    for rid in ref:
-        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+    _assert_equals_reference(finals, logits, ref, ref_logits)
     st = wide_engine.stats().graphs
     assert st["graph_misses"] == 0 and st["steps"]["FULL"] > 0 and st["steps"]["PIECEWISE"] > 0
 
@@ -201,9 +203,6 @@ def test_cuda_graphs_of_pieces_without_inductor_equal_eager(
     engine = _engine(tiny_models["llama"], "float32", config, kv=PREEMPTING, max_model_len=128)
     assert engine.plan.backend == piece_backend and engine.capture.graphs > 0
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    for rid in ref:
-        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
-        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * b.abs().max().item())
+    _assert_equals_reference(finals, logits, ref, ref_logits)
     st = engine.stats().graphs
     assert st["steps"]["FULL"] > 0 and st["steps"]["PIECEWISE"] > 0 and st["graph_misses"] == 0
