@@ -278,6 +278,19 @@ def test_compiler_settings_resolve_and_unused_ones_are_told(caplog):
             plan(M.NONE, strict=True, **kw)
 
 
+def test_an_unused_compiler_setting_under_enforce_eager_names_the_flag():
+    p = resolve_graph_plan(
+        CompilationConfig(mode=3, backend="eager"),
+        CUDA,
+        AttentionCaps("attn", S.ALWAYS, OPS),
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enforce_eager=True,
+    )
+    (change,) = [c for c in p.changes if c.field == "backend"]
+    assert "(--enforce-eager)" in change.reason and change.remedy == "drop --enforce-eager"
+
+
 def test_vllm_spellings_of_the_mode_carry_over(caplog):
     """Launchers written for vLLM pass its mode names, its pre-v0.11 field `level`, or a bare
     integer through the Python API."""

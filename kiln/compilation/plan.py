@@ -155,7 +155,7 @@ def resolve_graph_plan(
         max_num_seqs,
         uniform_decode_query_len,
     )
-    backend, inductor_options = _resolve_compiler(r, requested)
+    backend, inductor_options = _resolve_compiler(r, requested, enforce_eager)
     if requested_splits is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
         # Nothing replays pieces, so by default the forward compiles as one Inductor graph
         # with the attention op inside as an extern call: no per-piece call overhead (on the
@@ -231,7 +231,7 @@ def _resolve_compilation(r: _Resolution) -> None:
 
 
 def _resolve_compiler(
-    r: _Resolution, req: CompilationConfig
+    r: _Resolution, req: CompilationConfig, enforce_eager: bool
 ) -> tuple[str | None, tuple[tuple[str, Any], ...]]:
     """What compiles the pieces, and with which Inductor options. Each compiler setting that
     cannot take effect is a change: a user who asked for a dump or an option and got nothing
@@ -245,14 +245,17 @@ def _resolve_compiler(
     }
     for name, is_unused in unused.items():
         if is_unused:
-            r.changes.append(_unused_compiler_setting(name, req, r.mode))
+            r.changes.append(_unused_compiler_setting(name, req, r.mode, enforce_eager))
     return backend, options if backend == "inductor" else ()
 
 
-def _unused_compiler_setting(name: str, req: CompilationConfig, mode: int) -> PlanChange:
+def _unused_compiler_setting(
+    name: str, req: CompilationConfig, mode: int, enforce_eager: bool
+) -> PlanChange:
     value = req.inductor_options if name == "inductor_compile_config" else getattr(req, name)
     if mode != 3:
-        reason, remedy = "mode 0 compiles nothing", 'set "mode": 3'
+        reason = "mode 0 compiles nothing" + (" (--enforce-eager)" if enforce_eager else "")
+        remedy = "drop --enforce-eager" if enforce_eager else 'set "mode": 3'
     else:
         reason = f"backend {req.backend} does not run Inductor"
         remedy = 'drop "backend" (Inductor is the default) or the Inductor options'
