@@ -7,7 +7,7 @@ import argparse
 
 from kiln.cli.engine_args import engine_kwargs
 
-NO_COMPILE_CACHE = "none (mode 0 compiles nothing)"
+NOT_COMPILED = "none (mode 0 compiles nothing)"  # the compile cache and torch.compile rows
 
 
 def _model_rows(source, tokenizer) -> list[tuple[str, str]]:
@@ -61,14 +61,14 @@ def _boot(engine) -> str:
 def _compile_cache(engine) -> str:
     entry = engine.compile_cache
     if entry is None:
-        return NO_COMPILE_CACHE
+        return NOT_COMPILED
     waited = f", waited {entry.waited_s:.1f} s for another process" if entry.waited_s else ""
     return f"{entry.path} ({'reused' if entry.reused else 'new'}{waited})"
 
 
 def _compilation(engine) -> str:
     backend = engine.runner.compile_backend
-    return backend.stats.summary(engine.plan.backend) if backend else NO_COMPILE_CACHE
+    return backend.stats.summary(engine.plan.backend) if backend else NOT_COMPILED
 
 
 def _graphs(engine) -> str:
@@ -85,7 +85,7 @@ def _planned_cache(preview) -> str:
     from kiln.compilation.cache import entry_for_plan, is_sealed
 
     if preview.plan.mode != 3:
-        return NO_COMPILE_CACHE
+        return NOT_COMPILED
     path = entry_for_plan(
         preview.plan.to_dict(),
         preview.source.config.to_dict(),
