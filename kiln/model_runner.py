@@ -24,6 +24,7 @@ from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispa
 from kiln.compilation.dump import GraphDump, dump_root
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
+from kiln.compilation.vec_isa_probe import VecIsaProbe, wants_probe
 from kiln.input_buffers import InputBuffers
 from kiln.models.llama import CausalLM
 from kiln.scheduler import ScheduledBatch
@@ -48,10 +49,12 @@ def kv_bytes_per_block(model: CausalLM, block_size: int, dtype: torch.dtype) -> 
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def piece_compiler(plan: GraphPlan) -> PieceCompiler:
+def piece_compiler(plan: GraphPlan, device: torch.device) -> PieceCompiler:
     path = plan.requested.debug_dump_path
     dump = GraphDump(dump_root(path), plan.backend) if path else None
-    return PieceCompiler(plan.backend or "inductor", plan.inductor_options, dump)
+    options = dict(plan.inductor_options)
+    probe = VecIsaProbe() if wants_probe(device.type, plan.backend, options) else None
+    return PieceCompiler(plan.backend or "inductor", plan.inductor_options, dump, probe)
 
 
 class ModelRunner:
@@ -81,7 +84,7 @@ class ModelRunner:
             self.compile_backend = SplitBackend(
                 plan.splitting_ops,
                 plan.requested.debug_contiguity,
-                piece_compiler(plan),
+                piece_compiler(plan, device),
                 traced_code=forward.__code__,
             )
             self.forward = torch.compile(

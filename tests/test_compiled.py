@@ -21,6 +21,7 @@ from kiln.compilation.backend import (
     _SplitCall,
     model_guard_filter,
 )
+from kiln.compilation.vec_isa_probe import wants_probe
 from tests.helpers import make_engine, run_schedule
 
 # split at attention explicitly: with no piecewise graphs to replay (the CPU) the default is
@@ -89,6 +90,36 @@ def test_compile_time_is_measured(engines):
     assert (info["backend"], info["compilations"]) == ("inductor", 1)
     assert info["pieces"] == compiled.model_config.num_layers + 1
     assert 0 < info["backend_s"] < info["compile_s"] <= compiled.boot.durations["warm_up"]
+
+
+def test_the_cpu_isa_probe_ran_before_the_pieces_compiled(engines):
+    """Inductor's probe of the CPU's vector instruction sets started with the engine, in its
+    own thread, and had finished before a piece compiled; its answer is cached where
+    Inductor's C++ code generation reads it."""
+    from torch._inductor import cpu_vec_isa
+
+    _, compiled = engines
+    probe = compiled.runner.compile_backend.compiler.vec_isa_probe
+    assert probe is not None and probe.done
+    assert cpu_vec_isa.valid_vec_isa_list.cache_info().currsize == 1
+
+
+@pytest.mark.parametrize(
+    ("device", "backend", "options", "expected"),
+    [
+        ("cpu", "inductor", {}, True),
+        ("cpu", "inductor", {"max_autotune": True}, True),
+        ("cuda", "inductor", {}, False),  # Triton code: no C++ vector ISA
+        ("cpu", "eager", {}, False),
+        ("cpu", "aot_eager", {}, False),
+        ("cpu", "inductor", {"cpp.vec_isa_ok": False}, False),  # Inductor must check under it
+        ("cpu", None, {}, False),  # mode 0
+    ],
+)
+def test_the_isa_probe_starts_only_where_inductor_cpu_code_uses_it(
+    device, backend, options, expected
+):
+    assert wants_probe(device, backend, options) is expected
 
 
 def test_the_plan_only_preview_is_what_boot_resolved(engines):
