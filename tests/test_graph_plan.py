@@ -5,6 +5,7 @@ WARNING per change naming the remedy, and strict mode refusing instead."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 
 import pytest
@@ -20,6 +21,7 @@ from kiln.compilation import (
 )
 from kiln.compilation.dispatcher import BatchDescriptor, describe, dispatch
 from kiln.compilation.plan_table import log_plan
+from kiln.compilation.vllm_fields import VLLM_ONLY
 from kiln.errors import ConfigError
 
 M = CUDAGraphMode
@@ -300,7 +302,7 @@ def test_vllm_spellings_of_the_mode_carry_over(caplog):
     with caplog.at_level(logging.WARNING):
         assert CompilationConfig.from_json('{"level": 3}') == CompilationConfig(mode=3)
         assert CompilationConfig.from_json({"level": "PIECEWISE", "mode": 3}).mode == 3
-    assert caplog.text.count("'level' is vLLM's name for 'mode'") == 2
+    assert caplog.text.count("'level' is vLLM's old spelling") == 2
     with caplog.at_level(logging.WARNING):
         assert CompilationConfig.from_json({"use_inductor": False}).backend == "eager"
         assert CompilationConfig.from_json({"use_inductor": True, "backend": ""}).backend == (
@@ -311,6 +313,99 @@ def test_vllm_spellings_of_the_mode_carry_over(caplog):
         CompilationConfig.from_json({"use_inductor": False, "backend": "inductor"})
     with pytest.raises(ConfigError, match="use_inductor must be true or false"):
         CompilationConfig.from_json({"use_inductor": 0})
+
+
+# vLLM's settings for machinery kiln lacks, each asking for something
+VLLM_ONLY_ASKING = {
+    "cache_dir": "/srv/compile",
+    "compile_cache_save_format": "binary",
+    "compile_sizes": [1, 2, 4],
+    "compile_ranges_split_points": [8],
+    "custom_ops": ["none", "+rms_norm"],
+    "pass_config": {"fuse_norm_quant": True},
+    "inductor_passes": {"my_pass": "pkg.module.my_pass"},
+    "use_inductor_graph_partition": True,
+    "dynamic_shapes_config": {"type": "backed"},
+    "cudagraph_num_of_warmups": 2,
+    "compile_mm_encoder": True,
+}
+# ... and at values that ask for nothing: vLLM's defaults, or what kiln does anyway
+VLLM_ONLY_QUIET = {
+    "cache_dir": "",
+    "compile_sizes": [],
+    "custom_ops": [],
+    "pass_config": {},
+    "use_inductor_graph_partition": False,
+    "dynamic_shapes_config": {"type": "unbacked"},
+    "cudagraph_num_of_warmups": 0,
+    "cudagraph_copy_inputs": True,  # kiln's runner copies every step's inputs anyway
+    "cudagraph_specialize_lora": True,  # no LoRA: no effect in vLLM either
+    "compile_mm_encoder": False,
+}
+
+
+def _resolve(config: CompilationConfig, strict: bool = False):
+    attention = AttentionCaps("attn", S.UNIFORM_BATCH, OPS)
+    return resolve_graph_plan(
+        config, CUDA, attention, max_num_batched_tokens=64, max_num_seqs=8, strict=strict
+    )
+
+
+def test_vllm_fields_without_kiln_machinery_boot_and_are_told(caplog):
+    """A vLLM launcher's settings for what kiln lacks: accepted, and each one that asks for
+    something is an unused setting with its reason (one WARNING each; strict refuses)."""
+    assert set(VLLM_ONLY_ASKING) | set(VLLM_ONLY_QUIET) == set(VLLM_ONLY)
+    config = CompilationConfig.from_json(json.dumps({"mode": 3, **VLLM_ONLY_ASKING}))
+    assert config.mode == 3 and dict(config.vllm_only) == VLLM_ONLY_ASKING
+    p = _resolve(config)
+    assert [c.field for c in p.changes] == sorted(VLLM_ONLY_ASKING)
+    for change in p.changes:
+        assert change.resolved == "(unused)"
+        assert change.reason == VLLM_ONLY[change.field].reason
+        assert json.loads(change.requested) == VLLM_ONLY_ASKING[change.field]
+    assert "KILN_CACHE_DIR" in next(c.remedy for c in p.changes if c.field == "cache_dir")
+    with caplog.at_level(logging.WARNING):
+        log_plan(p, logging.getLogger("test"))
+    assert len(caplog.records) == len(VLLM_ONLY_ASKING)
+    with pytest.raises(ConfigError, match=r"(?s)--strict-graphs.*  - compile_sizes "):
+        _resolve(config, strict=True)
+    quiet = CompilationConfig.from_json({"mode": 3, **VLLM_ONLY_QUIET})
+    assert _resolve(quiet, strict=True).changes == ()
+    assert p.to_dict()["requested"]["vllm_only"] == VLLM_ONLY_ASKING
+    # the compile cache key is the resolved plan's: settings that change nothing key nothing
+    assert _resolve(quiet).to_dict() | {"requested": None, "changes": None} == (
+        p.to_dict() | {"requested": None, "changes": None}
+    )
+
+
+def test_vllm_cuda_graph_switches_and_values_carry_over(caplog):
+    """vLLM's enum values for cudagraph_mode, and its pre-v0.11 switches read as the mode they
+    meant (with a warning naming the current spelling); a contradiction is an error."""
+    for value, mode in [(0, M.NONE), (1, M.PIECEWISE), (2, M.FULL), ([2, 0], M.FULL_DECODE_ONLY)]:
+        assert CompilationConfig.from_json({"cudagraph_mode": value}).cudagraph_mode is mode
+    assert CompilationConfig(cudagraph_mode=[2, 1]).cudagraph_mode is M.FULL_AND_PIECEWISE
+    with caplog.at_level(logging.WARNING):
+        assert CompilationConfig.from_json({"use_cudagraph": False}).cudagraph_mode is M.NONE
+        assert CompilationConfig.from_json({"full_cuda_graph": True}).cudagraph_mode is M.FULL
+        both = {"full_cuda_graph": True, "cudagraph_mode": 2}
+        assert CompilationConfig.from_json(both).cudagraph_mode is M.FULL
+    assert caplog.text.count('as "cudagraph_mode": ') == 3
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):  # vLLM's defaults ask for nothing: no warning
+        defaults = {"use_cudagraph": True, "full_cuda_graph": False}
+        assert CompilationConfig.from_json(defaults) == CompilationConfig()
+    assert caplog.records == []
+    for bad, words in [
+        ({"use_cudagraph": False, "cudagraph_mode": "FULL"}, "keep only cudagraph_mode"),
+        ({"full_cuda_graph": True, "cudagraph_mode": "PIECEWISE"}, "keep only cudagraph_mode"),
+        ({"full_cuda_graph": "yes"}, "full_cuda_graph must be true or false"),
+        ({"cudagraph_mode": True}, r"vLLM's values 0, 1, 2"),
+        ({"cudagraph_mode": [2, 2]}, r"vLLM's values 0, 1, 2"),
+        ({"cudagraph_modes": "FULL"}, "did you mean 'cudagraph_mode'"),
+        ({"compile_size": [1]}, "did you mean 'compile_sizes'"),
+    ]:
+        with pytest.raises(ConfigError, match=words):
+            CompilationConfig.from_json(bad)
 
 
 def test_dispatcher():

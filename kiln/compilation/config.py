@@ -7,13 +7,11 @@ from __future__ import annotations
 import difflib
 import enum
 import json
-import logging
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from kiln.compilation.vllm_fields import VLLM_ONLY, check_vllm_only, read_vllm_fields
 from kiln.errors import ConfigError
-
-logger = logging.getLogger(__name__)
 
 
 class CUDAGraphMode(enum.Enum):
@@ -24,14 +22,31 @@ class CUDAGraphMode(enum.Enum):
     FULL_AND_PIECEWISE = "FULL_AND_PIECEWISE"
 
     @classmethod
-    def parse(cls, value: str | CUDAGraphMode) -> CUDAGraphMode:
+    def parse(cls, value: str | int | list | CUDAGraphMode) -> CUDAGraphMode:
+        """A name, or vLLM's enum value: 0, 1, 2, [2, 0] or [2, 1]."""
         if isinstance(value, cls):
             return value
+        by_value = _VLLM_VALUES.get(tuple(value) if isinstance(value, list) else value)
+        if by_value is not None and not isinstance(value, bool):
+            return cls(by_value)
         try:
             return cls(str(value).upper())
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise ConfigError(f"cudagraph_mode {value!r} is not one of {choices}") from None
+            raise ConfigError(
+                f"cudagraph_mode {value!r} is not one of {choices} (or vLLM's values 0, 1, 2, "
+                "[2, 0], [2, 1])"
+            ) from None
+
+
+# vLLM's CUDAGraphMode values (its JSON and its Python API take them as well as the names)
+_VLLM_VALUES = {
+    0: "NONE",
+    1: "PIECEWISE",
+    2: "FULL",
+    (2, 0): "FULL_DECODE_ONLY",
+    (2, 1): "FULL_AND_PIECEWISE",
+}
 
 
 COMPILATION_MODES = (0, 3)
@@ -99,7 +114,7 @@ def _parse_ops(ops: Any) -> tuple[str, ...]:
 PIECE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
-def _parse_backend(value: Any) -> str:
+def parse_backend(value: Any) -> str:
     name = value.lower() if isinstance(value, str) else value
     if name == "":
         return "inductor"  # vLLM's default spelling
@@ -178,6 +193,9 @@ class CompilationConfig:
     inductor_compile_config: tuple[tuple[str, Any], ...] | None = None  # Inductor's options
     debug_dump_path: str | None = None  # where each compilation writes its graphs and code
     debug_contiguity: bool = False  # check every tensor at a split boundary (tests)
+    # vLLM's fields kiln has no machinery for, as given (vllm_fields.py); the plan reports
+    # those that ask for something as unused
+    vllm_only: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         parsed = {
@@ -185,8 +203,9 @@ class CompilationConfig:
             "cudagraph_mode": CUDAGraphMode.parse,
             "cudagraph_capture_sizes": _parse_sizes,
             "splitting_ops": _parse_ops,
-            "backend": _parse_backend,
+            "backend": parse_backend,
             "inductor_compile_config": _parse_inductor_config,
+            "vllm_only": check_vllm_only,
         }
         for name, parse in parsed.items():
             if getattr(self, name) is not None:
@@ -205,18 +224,21 @@ class CompilationConfig:
     @classmethod
     def from_json(cls, text: str | int | dict[str, Any] | None) -> CompilationConfig:
         """Parse `--compilation-config` (a JSON object) or a dict. A bare integer is the mode,
-        as in vLLM (`-O3`); vLLM's old name `level` is read as `mode`, with a warning."""
+        as in vLLM (`-O3`); vLLM's other fields are read as vllm_fields.py says."""
         if text is None:
             return cls()
         if _is_int(text):
             text = {"mode": text}
-        data = _level_as_mode(text if isinstance(text, dict) else compilation_data(str(text)))
-        data = _use_inductor_as_backend(data)
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        data = read_vllm_fields(text if isinstance(text, dict) else compilation_data(str(text)))
+        known = {f.name for f in fields(cls)} - {"vllm_only"}
+        unknown = sorted(set(data) - known - {"vllm_only"})
         if unknown:
+            close = {n: difflib.get_close_matches(n, known | set(VLLM_ONLY), n=1) for n in unknown}
+            hints = "".join(f"; {n!r}: did you mean {c[0]!r}?" for n, c in close.items() if c)
             raise ConfigError(
-                f"unknown --compilation-config fields {unknown}; known: {sorted(known)}"
+                f"unknown --compilation-config fields {unknown}{hints} (kiln's fields: "
+                f"{', '.join(sorted(known))}; vLLM's that kiln accepts and reports as unused: "
+                f"{', '.join(sorted(VLLM_ONLY))})"
             )
         return cls(**data)
 
@@ -224,6 +246,7 @@ class CompilationConfig:
         d = asdict(self)
         d["cudagraph_mode"] = self.cudagraph_mode.value if self.cudagraph_mode else None
         d["inductor_compile_config"] = self.inductor_options
+        d["vllm_only"] = dict(self.vllm_only)
         return d
 
     @property
@@ -242,50 +265,4 @@ def compilation_data(text: str) -> dict[str, Any]:
         return {"mode": data}
     if not isinstance(data, dict):
         raise ConfigError("--compilation-config must be a JSON object, e.g. '{\"mode\": 3}'")
-    return data
-
-
-def _level_as_mode(data: dict[str, Any]) -> dict[str, Any]:
-    """vLLM before v0.11 called `mode` `level` (same numbers), and launchers still pass it."""
-    if "level" not in data:
-        return data
-    data = dict(data)
-    level = data.pop("level")
-    if "mode" in data and parse_mode(data["mode"]) != parse_mode(level):
-        raise ConfigError(
-            f"--compilation-config gives level {level!r} and mode {data['mode']!r}; level is "
-            "vLLM's old name for mode: keep only mode"
-        )
-    logger.warning(
-        "--compilation-config: 'level' is vLLM's name for 'mode' before v0.11; kiln reads "
-        'level %r as mode (write "mode" to silence this warning)',
-        level,
-    )
-    data.setdefault("mode", level)
-    return data
-
-
-def _use_inductor_as_backend(data: dict[str, Any]) -> dict[str, Any]:
-    """vLLM before v0.11 turned Inductor off with `use_inductor: false`; `backend` replaced it."""
-    if "use_inductor" not in data:
-        return data
-    data = dict(data)
-    use = data.pop("use_inductor")
-    if not isinstance(use, bool):
-        raise ConfigError(f"use_inductor must be true or false, got {use!r}")
-    implied = "inductor" if use else "eager"
-    given = _parse_backend(data["backend"]) if "backend" in data else implied
-    if given != implied:
-        raise ConfigError(
-            f"--compilation-config gives use_inductor {str(use).lower()} and backend "
-            f"{data['backend']!r}; use_inductor is vLLM's old switch for backend: keep only "
-            "backend"
-        )
-    logger.warning(
-        "--compilation-config: 'use_inductor' is vLLM's switch before v0.11; kiln reads "
-        'use_inductor %s as "backend": "%s" (write "backend" to silence this warning)',
-        str(use).lower(),
-        implied,
-    )
-    data["backend"] = given
     return data

@@ -12,6 +12,7 @@ from typing import Any
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.config import CompilationConfig, CUDAGraphMode
 from kiln.compilation.plan_table import plan_table, show
+from kiln.compilation.vllm_fields import unused_vllm_fields
 from kiln.errors import ConfigError
 
 
@@ -156,6 +157,7 @@ def resolve_graph_plan(
         uniform_decode_query_len,
     )
     backend, inductor_options = _resolve_compiler(r, requested, enforce_eager)
+    _report_vllm_only(r, requested)
     if requested_splits is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
         # Nothing replays pieces, so by default the forward compiles as one Inductor graph
         # with the attention op inside as an extern call: no per-piece call overhead (on the
@@ -260,6 +262,13 @@ def _unused_compiler_setting(
         reason = f"backend {req.backend} does not run Inductor"
         remedy = 'drop "backend" (Inductor is the default) or the Inductor options'
     return PlanChange(name, json.dumps(value, default=str), "(unused)", reason, remedy)
+
+
+def _report_vllm_only(r: _Resolution, req: CompilationConfig) -> None:
+    """vLLM's settings for machinery kiln does not have: each that asks for something."""
+    for name, value, why in unused_vllm_fields(req.vllm_only):
+        shown = json.dumps(value, default=str)
+        r.changes.append(PlanChange(name, shown, "(unused)", why.reason, why.remedy))
 
 
 def _decode_supported(support: GraphSupport, query_len: int) -> bool:
