@@ -9,7 +9,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kiln.errors import ModelLoadError
 from kiln.loader.gguf import GGUFSource, dequantize
+from kiln.loader.gguf_file import GGUFFile
 
 T = gguf.GGMLQuantizationType
 GGUF_NAMES = {
@@ -145,7 +147,7 @@ def _k_quant_file(tmp_path):
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    return gguf.GGUFReader(str(tmp_path / "k.gguf"))
+    return GGUFFile(str(tmp_path / "k.gguf"))
 
 
 def test_k_quants_dequantize_to_hand_computed_values(tmp_path):
@@ -156,14 +158,89 @@ def test_k_quants_dequantize_to_hand_computed_values(tmp_path):
 
 
 def test_unsupported_tensor_type_is_named(tmp_path):
-    from kiln.errors import ModelLoadError
-
     w = gguf.GGUFWriter(str(tmp_path / "iq.gguf"), "llama")
     w.add_tensor("iq", np.zeros((1, 66), np.uint8), raw_dtype=T.IQ2_XXS)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    t = gguf.GGUFReader(str(tmp_path / "iq.gguf")).tensors[0]
+    t = GGUFFile(str(tmp_path / "iq.gguf")).tensors[0]
     with pytest.raises(ModelLoadError, match=r"IQ2_XXS.*Q4_K"):
         dequantize(t)
+
+
+def _assert_reads_as_gguf_py_does(path) -> None:
+    """kiln's header reader against gguf-py's GGUFReader: every field's value, and every
+    tensor's name, type, shape and bytes."""
+    ours, ref = GGUFFile(str(path)), gguf.GGUFReader(str(path))
+    expected = {k: f.contents() for k, f in ref.fields.items() if not k.startswith("GGUF.")}
+    assert ours.fields == expected
+    assert [type(v) for v in ours.fields.values()] == [type(v) for v in expected.values()]
+    assert len(ours.tensors) == len(ref.tensors)
+    for a, b in zip(ours.tensors, ref.tensors, strict=True):
+        assert (a.name, a.tensor_type, a.shape) == (b.name, b.tensor_type, tuple(b.shape.tolist()))
+        assert (a.data.dtype, a.data.shape) == (b.data.dtype, b.data.shape)
+        assert a.data.tobytes() == b.data.tobytes()
+
+
+def test_header_reader_reads_the_embedded_model_as_gguf_py_does(smollm_path):
+    _assert_reads_as_gguf_py_does(smollm_path)
+
+
+@pytest.mark.parametrize("endian", [gguf.GGUFEndian.LITTLE, gguf.GGUFEndian.BIG])
+def test_header_reader_reads_every_value_type_as_gguf_py_does(tmp_path, endian):
+    path = tmp_path / f"all-{endian.name}.gguf"
+    w = gguf.GGUFWriter(str(path), "llama", endianess=endian)
+    w.add_uint8("t.u8", 250)
+    w.add_int8("t.i8", -5)
+    w.add_uint16("t.u16", 65000)
+    w.add_int16("t.i16", -300)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000)
+    w.add_float32("t.f32", 1e-5)
+    w.add_uint64("t.u64", 2**63)
+    w.add_int64("t.i64", -(2**40))
+    w.add_float64("t.f64", 0.1)
+    w.add_bool("t.bool", True)
+    w.add_string("t.str", "héllo ✓")
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_array("t.strs", ["a", "", "Ġthe", "日本"])
+    w.add_array("t.empty", [])
+    w.add_custom_alignment(64)
+    rng = np.random.default_rng(0)
+    data = rng.standard_normal((4, 256)).astype(np.float32)
+    for kind in (T.F32, T.F16, T.Q8_0, T.Q4_1):
+        q = data if kind == T.F32 else gguf.quants.quantize(data, kind)
+        w.add_tensor(f"w.{kind.name}", q, raw_dtype=kind)
+    q6k = rng.integers(0, 256, (4, 210), dtype=np.uint8)  # a K-quant's blocks, as bytes
+    w.add_tensor("w.Q6_K", q6k, raw_dtype=T.Q6_K)
+    w.add_tensor("w.i32", np.arange(6, dtype=np.int32).reshape(2, 3))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    _assert_reads_as_gguf_py_does(path)
+    if endian is gguf.GGUFEndian.LITTLE:  # dequantized through kiln's loader as well
+        ours = {t.name: t for t in GGUFFile(str(path)).tensors}
+        np.testing.assert_array_equal(dequantize(ours["w.F32"]), data)
+
+
+def test_files_that_are_not_gguf_are_refused_by_path(tmp_path):
+    good = tmp_path / "good.gguf"
+    w = gguf.GGUFWriter(str(good), "llama")
+    w.add_tensor("w", np.ones((2, 32), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    raw = good.read_bytes()
+    cases = {
+        "text.gguf": b"not a model at all",
+        "truncated.gguf": raw[: len(raw) - 16],  # the tensor runs past the end
+        "version9.gguf": raw[:4] + (9).to_bytes(4, "little") + raw[8:],
+    }
+    for name, content in cases.items():
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelLoadError, match=f"{name}' is not a readable GGUF file"):
+            GGUFSource(str(tmp_path / name))

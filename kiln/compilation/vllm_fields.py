@@ -42,7 +42,9 @@ def _dynamic_shapes_as_kiln(value: Any) -> bool:
     )
 
 
-NO_STATIC_SIZES = "kiln compiles each piece once, for every token count: it makes no static-shape copies"
+NO_STATIC_SIZES = (
+    "kiln compiles each piece once, for every token count: it makes no static-shape copies"
+)
 VLLM_ONLY: dict[str, VllmOnlyField] = {
     "cache_dir": VllmOnlyField(
         "kiln keeps its compile cache under $KILN_CACHE_DIR/compile, one entry per configuration",

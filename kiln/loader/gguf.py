@@ -1,5 +1,6 @@
-"""GGUF files: metadata -> ModelConfig, tensors dequantized to the compute dtype with the
-`gguf` package, tokenizer and chat template from the file's metadata (via transformers)."""
+"""GGUF files: metadata -> ModelConfig (read by gguf_file.py), tensors dequantized to the
+compute dtype with the `gguf` package, tokenizer and chat template from the file's metadata
+(via transformers)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.source import ModelSource
 from kiln.models.config import ModelConfig
 from kiln.tokenizer import Tokenizer
@@ -66,7 +68,7 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
 
 
-def dequantize(t: gguf.ReaderTensor) -> np.ndarray:
+def dequantize(t: GGUFTensor | gguf.ReaderTensor) -> np.ndarray:
     """A GGUF tensor as float32, in PyTorch's dimension order (GGUF lists dims reversed)."""
     kind = t.tensor_type.name
     if kind not in SUPPORTED_TENSOR_TYPES:
@@ -89,7 +91,7 @@ class GGUFSource(ModelSource):
     def __init__(self, path: str) -> None:
         self.path = path
         try:
-            self.reader = gguf.GGUFReader(path)
+            self.file = GGUFFile(path)
         except Exception as exc:
             raise ModelLoadError(f"{path!r} is not a readable GGUF file: {exc}") from None
         self.arch = self._field("general.architecture")
@@ -101,14 +103,13 @@ class GGUFSource(ModelSource):
         self.config = self._model_config()
 
     def _field(self, key: str, default: Any = None) -> Any:
-        field = self.reader.fields.get(key)
-        return default if field is None else field.contents()
+        return self.file.fields.get(key, default)
 
     def _model_config(self) -> ModelConfig:
         a = self.arch
         heads = self._field(f"{a}.attention.head_count")
         hidden = self._field(f"{a}.embedding_length")
-        names = {t.name for t in self.reader.tensors}
+        names = {t.name for t in self.file.tensors}
         vocab = self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
         eos = self._field("tokenizer.ggml.eos_token_id")
         return ModelConfig(
@@ -145,7 +146,7 @@ class GGUFSource(ModelSource):
 
     def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         cfg = self.config
-        for t in self.reader.tensors:
+        for t in self.file.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
