@@ -229,18 +229,20 @@ def test_header_reader_reads_every_value_type_as_gguf_py_does(tmp_path, endian):
 def test_files_that_are_not_gguf_are_refused_by_path(tmp_path):
     good = tmp_path / "good.gguf"
     w = gguf.GGUFWriter(str(good), "llama")
-    w.add_tensor("w", np.ones((2, 32), np.float32))
+    w.add_tensor("wa", np.ones((2, 32), np.float32))
+    w.add_tensor("wb", np.ones((2, 32), np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
     raw = good.read_bytes()
     cases = {
-        "text.gguf": b"not a model at all",
-        "truncated.gguf": raw[: len(raw) - 16],  # the tensor runs past the end
-        "version9.gguf": raw[:4] + (9).to_bytes(4, "little") + raw[8:],
+        "text.gguf": (b"not a model at all", "no GGUF magic"),
+        "truncated.gguf": (raw[: len(raw) - 16], "tensor 'wb' runs past the end"),
+        "version9.gguf": (raw[:4] + (9).to_bytes(4, "little") + raw[8:], "GGUF version 9"),
+        "twice.gguf": (raw.replace(b"wb", b"wa", 1), r"tensors \['wa'\] appear more than once"),
     }
-    for name, content in cases.items():
+    for name, (content, why) in cases.items():
         (tmp_path / name).write_bytes(content)
-        with pytest.raises(ModelLoadError, match=f"{name}' is not a readable GGUF file"):
+        with pytest.raises(ModelLoadError, match=f"{name}' is not a readable GGUF file: {why}"):
             GGUFSource(str(tmp_path / name))

@@ -78,8 +78,10 @@ VLLM_ONLY: dict[str, VllmOnlyField] = {
         "kiln runs one uncaptured forward before it captures, and then captures every size",
         lambda v: v in (None, 0),
     ),
-    # kiln's runner copies each step's inputs into its persistent buffers either way
-    "cudagraph_copy_inputs": VllmOnlyField("", lambda v: True),
+    "cudagraph_copy_inputs": VllmOnlyField(
+        "kiln's runner copies each step's inputs into its persistent buffers either way",
+        lambda v: True,
+    ),
     "cudagraph_specialize_lora": VllmOnlyField("kiln has no LoRA adapters", lambda v: True),
     "compile_mm_encoder": VllmOnlyField(
         "kiln's models have no multimodal encoder", lambda v: v in (None, False)

@@ -79,6 +79,10 @@ class GGUFFile:
             key = self._string()
             self.fields[key] = self._value(V(self._unpack("I")))
         infos = [self._tensor_info() for _ in range(tensor_count)]
+        names = [info[0] for info in infos]
+        if len(set(names)) != len(names):
+            twice = sorted({n for n in names if names.count(n) > 1})
+            raise GGUFFormatError(f"tensors {twice} appear more than once")
         alignment = self.fields.get("general.alignment", DEFAULT_ALIGNMENT)
         if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
             raise GGUFFormatError(f"general.alignment {alignment!r} is not a power of two")
