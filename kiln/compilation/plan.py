@@ -161,7 +161,8 @@ def resolve_graph_plan(
     if requested_splits is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
         # Nothing replays pieces, so by default the forward compiles as one Inductor graph
         # with the attention op inside as an extern call: no per-piece call overhead (on the
-        # CPU 1.09x faster at single-stream decode than the split graph, 1.22x at 8 streams).
+        # CPU 1.04x the split graph's decode speed at one stream, 1.13x at 8 streams; its first
+        # compilation takes 38 s against 17 s: docs/performance.md).
         # Not under aot_eager: without Inductor to reinplace it, AOTAutograd's functional KV
         # cache write copies every layer's whole cache each step (645 vs 57 ms split, CPU).
         splitting = () if backend != "aot_eager" else splitting
