@@ -399,6 +399,7 @@ def test_vllm_cuda_graph_switches_and_values_carry_over(caplog):
         ({"use_cudagraph": False, "cudagraph_mode": "FULL"}, "keep only cudagraph_mode"),
         ({"full_cuda_graph": True, "cudagraph_mode": "PIECEWISE"}, "keep only cudagraph_mode"),
         ({"full_cuda_graph": "yes"}, "full_cuda_graph must be true or false"),
+        ({"use_cudagraph": False, "full_cuda_graph": True}, r"\(FULL graphs\): keep only"),
         ({"cudagraph_mode": True}, r"vLLM's values 0, 1, 2"),
         ({"cudagraph_mode": [2, 2]}, r"vLLM's values 0, 1, 2"),
         ({"cudagraph_modes": "FULL"}, "did you mean 'cudagraph_mode'"),

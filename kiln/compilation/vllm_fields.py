@@ -94,6 +94,11 @@ def read_vllm_fields(data: dict[str, Any]) -> dict[str, Any]:
     machinery for moved to `vllm_only`."""
     data = _old_spelling(data, "level", "mode", _level_meaning)
     data = _old_spelling(data, "use_inductor", "backend", _use_inductor_meaning)
+    if data.get("use_cudagraph") is False and data.get("full_cuda_graph") is True:
+        raise ConfigError(
+            "--compilation-config gives use_cudagraph false (no CUDA graphs) and "
+            "full_cuda_graph true (FULL graphs): keep only cudagraph_mode"
+        )
     data = _old_spelling(data, "use_cudagraph", "cudagraph_mode", _use_cudagraph_meaning)
     data = _old_spelling(data, "full_cuda_graph", "cudagraph_mode", _full_cuda_graph_meaning)
     given = {name: data[name] for name in VLLM_ONLY if name in data}
