@@ -93,9 +93,9 @@ def test_compile_time_is_measured(engines):
 
 
 def test_the_cpu_isa_probe_ran_before_the_pieces_compiled(engines):
-    """Inductor's probe of the CPU's vector instruction sets started with the engine, in its
-    own thread, and had finished before a piece compiled; its answer is cached where
-    Inductor's C++ code generation reads it."""
+    """Inductor's probe of the CPU's vector instruction sets started with the compiled CPU
+    engine, in its own thread, and has finished (the first piece compile waits for it); its
+    answer is cached where Inductor's C++ code generation reads it."""
     from torch._inductor import cpu_vec_isa
 
     _, compiled = engines
