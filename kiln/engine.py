@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -121,7 +122,16 @@ class LLMEngine:
             self._input_buffers(),
             self.device,
             self.graph_backend,
+            *self._trace_dir(),
         )
+
+    def _trace_dir(self) -> tuple[Path | None, str]:
+        """The compile cache entry that keeps Dynamo's trace of the forward, or why none."""
+        if self.compile_cache is None:
+            return None, "mode 0"
+        if not self.config.compilation.aot_compile:
+            return None, '"aot_compile": false'
+        return self.compile_cache.path, ""
 
     def _allocate_kv_cache(self, graph_reserve: int) -> int:
         num_blocks = self._size_kv_cache(graph_reserve)
@@ -345,6 +355,8 @@ class LLMEngine:
             "pieces": st.pieces,
             "compile_s": round(st.compile_s, 3),
             "backend_s": round(st.backend_s, 3),
+            "dynamo_trace": st.trace,
+            "trace_load_s": round(st.trace_load_s, 3),
         }
 
     def stats(self) -> EngineStats:

@@ -25,6 +25,10 @@ class InputBuffers:
         self.token_table_offsets = buf(max_tokens, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
 
+    def sizes(self) -> dict[str, int]:
+        """Each buffer's length: a compiled forward's static shapes."""
+        return {k: v.numel() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
     def fill_query_starts(self, starts: list[int]) -> torch.Tensor:
         """The requests' offsets, and their token count in every entry after them (a batch
         without padding); returns the [B + 1] head."""

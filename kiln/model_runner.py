@@ -9,6 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -24,6 +25,7 @@ from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispa
 from kiln.compilation.dump import GraphDump, dump_root
 from kiln.compilation.graphs import FullGraphs, GraphBackend, PiecewiseGraphs, RuntimeState
 from kiln.compilation.plan import GraphPlan, RuntimeMode
+from kiln.compilation.precompile import PrecompiledForward, TraceFile
 from kiln.compilation.vec_isa_probe import VecIsaProbe, wants_probe
 from kiln.input_buffers import InputBuffers
 from kiln.models.llama import CausalLM
@@ -67,7 +69,11 @@ class ModelRunner:
         buffers: InputBuffers,
         device: torch.device,
         graph_backend: GraphBackend | None = None,
+        trace_entry: Path | None = None,
+        no_trace_file: str = "no compile cache entry",
     ) -> None:
+        """`trace_entry`: the compile cache entry where mode 3 keeps Dynamo's trace
+        (precompile.py); `no_trace_file`: why there is none."""
         self.model = model
         self.backend = backend
         self.plan = plan
@@ -87,17 +93,25 @@ class ModelRunner:
                 piece_compiler(plan, device),
                 traced_code=forward.__code__,
             )
-            self.forward = torch.compile(
+            self.forward = PrecompiledForward(
                 forward,
-                backend=self.compile_backend,
-                fullgraph=True,
-                options={"guard_filter_fn": model_guard_filter},
+                self.compile_backend,
+                model_guard_filter,
+                self._trace_file(trace_entry),
+                self._mark_for_trace,
+                no_trace_file,
             )
         self.graph_backend = graph_backend
         self.full: FullGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if graph_backend is not None:
             self._graph_wrappers(graph_backend)
+
+    def _trace_file(self, entry: Path | None) -> TraceFile | None:
+        if entry is None:
+            return None
+        static = {"block_size": self.block_size, "buffers": self.buffers.sizes()}
+        return TraceFile.in_entry(entry, self.device, static)
 
     def _graph_wrappers(self, graph_backend: GraphBackend) -> None:
         modes = {self.plan.decode_mode, self.plan.mixed_mode}
@@ -124,12 +138,6 @@ class ModelRunner:
         ]
         for (k_cache, v_cache), attn in zip(self.kv_caches, self.model.attention_layers()):
             attn.bind_cache(k_cache, v_cache)
-            if self.compile_backend is not None:
-                # The number of blocks is symbolic in the compiled forward: the graph-memory
-                # measurement compiles it on a two-block cache, and the real cache must not
-                # recompile it (on a GPU that was a second full compilation at every boot).
-                torch._dynamo.mark_dynamic(k_cache, 0)
-                torch._dynamo.mark_dynamic(v_cache, 0)
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
         """Lay the batch out decodes first, as the attention backends expect."""
@@ -240,7 +248,6 @@ class ModelRunner:
         stats = self.compile_backend.stats if self.compile_backend is not None else None
         if stats is None:
             return self.forward(input_ids, positions, meta)
-        mark_dynamic_dims(self._dynamic_inputs(input_ids, positions, meta))
         compilations, start = stats.compilations, time.perf_counter()
         out = self.forward(input_ids, positions, meta)
         if stats.compilations != compilations:  # this call compiled
@@ -340,6 +347,16 @@ class ModelRunner:
             self.piecewise.state = RuntimeState()
         self.piecewise.sizes.add(size)
         return len(self.piecewise.graphs) - before
+
+    def _mark_for_trace(self, args: tuple) -> None:
+        """Before Dynamo traces a call: its token and batch dimensions unbacked, and the
+        number of KV blocks dynamic (the graph-memory measurement compiles on a two-block
+        cache, and the real cache must not recompile it: on a GPU that was a second full
+        compilation at every boot)."""
+        mark_dynamic_dims(self._dynamic_inputs(*args))
+        for k_cache, v_cache in self.kv_caches:
+            torch._dynamo.mark_dynamic(k_cache, 0)
+            torch._dynamo.mark_dynamic(v_cache, 0)
 
     @staticmethod
     def _dynamic_inputs(

@@ -193,6 +193,9 @@ class CompilationConfig:
     inductor_compile_config: tuple[tuple[str, Any], ...] | None = None  # Inductor's options
     debug_dump_path: str | None = None  # where each compilation writes its graphs and code
     debug_contiguity: bool = False  # check every tensor at a split boundary (tests)
+    # mode 3: save Dynamo's trace in the compile cache entry, and load it on later boots
+    # instead of tracing again (precompile.py); false traces at every boot, as torch.compile
+    aot_compile: bool = True
     # vLLM's fields kiln has no machinery for, as given (vllm_fields.py); the plan reports
     # those that ask for something as unused
     vllm_only: tuple[tuple[str, Any], ...] = ()
@@ -216,10 +219,9 @@ class CompilationConfig:
         dump = self.debug_dump_path
         if dump is not None and (not isinstance(dump, str) or not dump):
             raise ConfigError(f"debug_dump_path must be a directory path, got {dump!r}")
-        if not isinstance(self.debug_contiguity, bool):
-            raise ConfigError(
-                f"debug_contiguity must be true or false, got {self.debug_contiguity!r}"
-            )
+        for name in ("debug_contiguity", "aot_compile"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(f"{name} must be true or false, got {getattr(self, name)!r}")
 
     @classmethod
     def from_json(cls, text: str | int | dict[str, Any] | None) -> CompilationConfig:

@@ -1,0 +1,200 @@
+"""Dynamo's trace of the forward, saved in the compile cache entry and loaded by later boots
+(torch's AOT compile: `torch.compile(...).aot_compile`, `torch.compiler.load_compiled_function`).
+
+A warm compiled boot used to trace the forward again with Dynamo (3-4 s of the embedded
+model's ~7 s boot) only to find every piece in the AOTAutograd and Inductor caches. The
+saved trace holds Dynamo's graph, its guards and the bytecode that calls the graph; loading it
+runs kiln's backend on that graph, which finds the pieces in the entry's caches as before.
+
+The guards stay: each call checks the loaded guards (the inputs' dtypes, ranks and devices,
+the KV caches, global state) as Dynamo would have, and a call that fails them falls back to
+Dynamo, which traces it and counts a recompilation. Dimension marks are put on the inputs
+only for a call that traces: a loaded guard requires a tensor's marks to be what they were
+when it was traced, and torch saves the trace without them."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.compilation.backend import SplitBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TraceFile:
+    """Where an engine's saved trace lives in its compile cache entry. The entry's key covers
+    the model and the compilation; the trace also specializes on the runner's static shapes
+    (the block size, the persistent input buffers' lengths), so each set has a file of its
+    own. Saved into a sealed entry too, under a name nobody else writes to differently:
+    readers see the whole file or none (written atomically)."""
+
+    path: Path
+
+    @classmethod
+    def in_entry(cls, entry: Path, device: torch.device, static: dict[str, Any]) -> TraceFile:
+        digest = hashlib.sha256(json.dumps(static, sort_keys=True).encode()).hexdigest()[:16]
+        return cls(entry / "dynamo" / f"forward-{device.type}{device.index or 0}-{digest}.bin")
+
+
+class PrecompiledForward:
+    """The runner's compiled forward: the saved trace when there is one (else traced and
+    saved), Dynamo where the loaded guards fail or no trace can be saved."""
+
+    def __init__(
+        self,
+        forward: Callable,
+        backend: SplitBackend,
+        guard_filter: Callable[[Sequence[Any]], list[bool]],
+        trace_file: TraceFile | None,
+        mark_for_trace: Callable[[tuple], None],
+        no_trace_file: str = "",
+    ) -> None:
+        """`forward`: the model's bound forward; `mark_for_trace(args)` marks the dynamic
+        dimensions of a call's inputs and of the KV caches before Dynamo traces it;
+        `no_trace_file`: why `trace_file` is None."""
+        self.model = forward.__self__
+        self.forward, self.backend, self.guard_filter = forward, backend, guard_filter
+        self.trace_file, self.mark_for_trace = trace_file, mark_for_trace
+        self.no_trace_file = no_trace_file
+        self.dynamo = torch.compile(
+            forward, backend=backend, fullgraph=True, options={"guard_filter_fn": guard_filter}
+        )
+        self.saved: Any = None  # the AOTCompiledFunction, loaded or traced here
+        self.stats = backend.stats  # its `trace` says how the forward got its trace
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.stats.trace:
+            self.saved = self._load() or self._trace_and_save(args)
+        saved = self.saved
+        if saved is not None:
+            if saved.guard_check(self.model, *args):
+                return saved.fn(self.model, *args)
+            self._guard_failed(self._guard_failure(args))
+        self.mark_for_trace(args)
+        return self.dynamo(*args)
+
+    def _guard_failed(self, reason: str) -> None:
+        """After warm-up, Dynamo's trace of this call is a recompilation, counted and warned
+        about by the backend; before, the saved trace did not fit the engine (a kiln bug)."""
+        self.backend.next_recompile_reason = reason
+        if not self.stats.warmed_up:
+            logger.warning(
+                "a guard of the saved Dynamo trace failed during warm-up (%s): Dynamo traces "
+                "the forward again. Please report it with this line",
+                reason,
+            )
+
+    def _guard_failure(self, args: tuple) -> str:
+        f_locals = self.saved.prepare_f_locals(self.model, *args)
+        info = self.saved._artifacts.guard_manager.check_verbose(f_locals)
+        return "; ".join(getattr(info, "verbose_code_parts", None) or [str(info)])
+
+    def _load(self) -> Any:
+        """The saved trace, compiled by kiln's backend (whose errors are the user's to see);
+        None when there is none or it cannot be read."""
+        tf = self.trace_file
+        if tf is None or not tf.path.is_file():
+            return None
+        start = time.perf_counter()
+        try:
+            saved = _deserialize(tf.path.read_bytes())
+        except Exception as exc:  # whatever makes it unreadable: trace as if none were saved
+            logger.warning(
+                "the saved Dynamo trace %s could not be loaded (%s: %s): tracing the forward "
+                "again (3-4 s for a small model). `kiln cache clear` removes the entry, and "
+                '"aot_compile": false stops saving traces',
+                tf.path,
+                type(exc).__name__,
+                exc,
+            )
+            return None
+        self.stats.trace_load_s = time.perf_counter() - start
+        saved._artifacts.compiled_fn.compile(self.backend)
+        self.stats.trace = "loaded"
+        return saved
+
+    def _trace_and_save(self, args: tuple) -> Any:
+        """Trace with torch's aot_compile and save the trace; then compile what a later boot
+        will load (the graph as saved, not as traced: AOTAutograd's cache key covers the
+        graph, and only the saved one is the same in every process)."""
+        tf = self.trace_file
+        if tf is None:
+            self.stats.trace = f"traced (not saved: {self.no_trace_file})"
+            return None
+        self.mark_for_trace(args)
+        try:
+            traced = self._aot_compile(args)
+            data = type(traced).serialize(traced).serialized_data
+            graph = _deserialize(data)._artifacts.compiled_fn
+        except Exception as exc:  # whatever torch refuses: Dynamo as before, said once
+            return self._not_saved("traced", exc)
+        try:
+            _write_atomically(tf.path, data)
+        except OSError as exc:  # this boot runs the trace; only later boots lose it
+            self._not_saved("written", exc)
+        else:
+            self.stats.trace = "traced and saved"
+        graph.compile(self.backend)
+        # this process keeps the guards as traced: those loaded from the file expect no
+        # dimension marks, and the KV caches keep theirs from the trace
+        traced._artifacts.compiled_fn.compiled = graph.compiled
+        return traced
+
+    def _not_saved(self, step: str, exc: Exception) -> None:
+        text = str(exc).strip()
+        reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
+        self.stats.trace = f"traced (not saved: {reason})"
+        logger.warning(
+            "Dynamo's trace of the forward could not be %s for the compile cache (%s): later "
+            'boots trace the forward again ("aot_compile": false skips the attempt). Please '
+            "report it with this line",
+            step,
+            reason,
+        )
+
+    def _aot_compile(self, args: tuple) -> Any:
+        """Dynamo's trace of a call; kiln's backend does not run on it here."""
+        from kiln.compilation.saved_graph import SavedGraph  # imports Dynamo: mode 3 only
+
+        compiled = torch.compile(
+            self.forward,
+            backend=lambda gm, example_inputs: SavedGraph(gm),
+            fullgraph=True,
+            options={"guard_filter_fn": self._serializable_guards},
+        )
+        return compiled.aot_compile((args, {}))
+
+    def _serializable_guards(self, guards: Sequence[Any]) -> list[bool]:
+        """The runner's guards, less those torch cannot save: on globals (modules, functions:
+        the code that the cache key's source hash covers) and of unsaveable kinds."""
+        from torch._dynamo.guards import CheckFunctionManager
+
+        unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
+        keep = self.guard_filter(guards)
+        return [k and not (g.is_global or g.guard_type in unsaveable) for k, g in zip(keep, guards)]
+
+
+def _deserialize(data: bytes) -> Any:
+    from torch._dynamo.aot_compile import AOTCompiledFunction
+
+    return AOTCompiledFunction.deserialize(data)
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
