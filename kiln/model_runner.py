@@ -110,7 +110,11 @@ class ModelRunner:
     def _trace_file(self, entry: Path | None) -> TraceFile | None:
         if entry is None:
             return None
-        static = {"block_size": self.block_size, "buffers": self.buffers.sizes()}
+        # the weights' shapes too: the runner drops Dynamo's guards on them (model_guard_filter),
+        # so a trace of other shapes (a tensor-parallel shard) would not be refused at a call
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        weights = [(name, list(t.shape), str(t.dtype)) for name, t in tensors]
+        static = {"block_size": self.block_size, "buffers": self.buffers.sizes(), "model": weights}
         return TraceFile.in_entry(entry, self.device, static)
 
     def _graph_wrappers(self, graph_backend: GraphBackend) -> None:

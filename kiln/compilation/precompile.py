@@ -168,12 +168,13 @@ class PrecompiledForward:
         """Dynamo's trace of a call; kiln's backend does not run on it here."""
         from kiln.compilation.saved_graph import SavedGraph  # imports Dynamo: mode 3 only
 
-        compiled = torch.compile(
-            self.forward,
-            backend=lambda gm, example_inputs: SavedGraph(gm),
-            fullgraph=True,
-            options={"guard_filter_fn": self._serializable_guards},
-        )
+        with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11: off by default
+            compiled = torch.compile(
+                self.forward,
+                backend=lambda gm, example_inputs: SavedGraph(gm),
+                fullgraph=True,
+                options={"guard_filter_fn": self._serializable_guards},
+            )
         return compiled.aot_compile((args, {}))
 
     def _serializable_guards(self, guards: Sequence[Any]) -> list[bool]:
