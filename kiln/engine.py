@@ -210,6 +210,7 @@ class LLMEngine:
             "__kiln_warmup__", [1] * n, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
         )
         self.step()
+        self._check_trace_saved()
         self.runner.mark_warmed_up()
         while self.has_unfinished_requests():
             self.step()
@@ -222,6 +223,18 @@ class LLMEngine:
             reused = "reused" if self.compile_cache.reused else "new"
             logger.info(
                 "torch.compile: %s (compile cache %s)", stats.summary(self.plan.backend), reused
+            )
+
+    def _check_trace_saved(self) -> None:
+        """A trace that `aot_compile` could not save changes what later boots do: with
+        --strict-graphs an error, before the compile cache entry is sealed without it."""
+        backend = self.runner.compile_backend
+        error = backend.stats.trace_error if backend is not None else None
+        if error and self.config.strict_graphs:
+            raise ConfigError(
+                f'--strict-graphs: "aot_compile" is on, but Dynamo\'s trace of the forward '
+                f"could not be saved ({error}), so every boot would trace it again. Remedy: "
+                'set "aot_compile": false, or drop --strict-graphs'
             )
 
     def _size_kv_cache(self, graph_reserve: int = 0) -> int:

@@ -27,6 +27,7 @@ def make_engine(
     attention_backend: str = "auto",
     graph_backend=None,
     dtype: str = "float32",
+    strict_graphs: bool = False,
 ) -> LLMEngine:
     return LLMEngine(
         EngineConfig(
@@ -44,6 +45,7 @@ def make_engine(
             ),
             compilation=compilation or CompilationConfig(),
             attention_backend=attention_backend,
+            strict_graphs=strict_graphs,
         ),
         graph_backend=graph_backend,
     )

@@ -129,6 +129,24 @@ def test_aot_compile_false_traces_every_boot_and_saves_nothing(first, model):
     _assert_matches_eager(make_engine(model, block_size=4, max_num_batched_tokens=16), engine)
 
 
+def test_a_trace_torch_cannot_save_is_told_and_refused_when_strict(first, model, monkeypatch):
+    """Block size 2: a shape set with no trace yet, so the boot tries to save one."""
+
+    def refuse(self, args):
+        raise RuntimeError("CLOSURE_MATCH guard cannot be serialized.")
+
+    monkeypatch.setattr("kiln.compilation.precompile.PrecompiledForward._aot_compile", refuse)
+    engine = _engine(model, block_size=2)
+    stats = engine.runner.compile_backend.stats
+    assert stats.trace_error == "RuntimeError: CLOSURE_MATCH guard cannot be serialized."
+    assert stats.trace == f"traced (not saved: {stats.trace_error})"
+    _assert_matches_eager(make_engine(model, block_size=2, max_num_batched_tokens=16), engine)
+    with pytest.raises(ConfigError, match=r'--strict-graphs: "aot_compile" is on.*CLOSURE_MATCH'):
+        make_engine(
+            model, block_size=2, max_num_batched_tokens=16, compilation=COMPILED, strict_graphs=True
+        )
+
+
 def test_aot_compile_is_a_switch():
     assert CompilationConfig.from_json('{"mode": 3, "aot_compile": false}').aot_compile is False
     assert CompilationConfig().aot_compile is True

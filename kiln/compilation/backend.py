@@ -71,6 +71,7 @@ class CompileStats:
     # "traced and saved", or "traced (why not saved)"; "" before the first call
     trace: str = ""
     trace_load_s: float = 0.0  # reading the saved trace, before this backend ran on it
+    trace_error: str | None = None  # why a trace could not be saved though aot_compile is on
 
     def summary(self, backend: str) -> str:
         """`1 graph, 1 piece (inductor) in 2.7 s: Dynamo's trace loaded and the first run

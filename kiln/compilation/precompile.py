@@ -156,6 +156,7 @@ class PrecompiledForward:
         text = str(exc).strip()
         reason = f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}"[:300]
         self.stats.trace = f"traced (not saved: {reason})"
+        self.stats.trace_error = reason
         logger.warning(
             "Dynamo's trace of the forward could not be %s for the compile cache (%s): later "
             'boots trace the forward again ("aot_compile": false skips the attempt). Please '
