@@ -51,6 +51,17 @@ def make_engine(
     )
 
 
+def forward_with_int32_positions(engine: LLMEngine) -> None:
+    """One compiled forward of a new request, laid out as a step lays it out but with int32
+    positions (kiln passes int64): a guard of the compiled forward fails on it."""
+    engine.add_request("int32", [5, 6, 7], SamplingParams(max_tokens=1))
+    batch = engine.scheduler.schedule()
+    runner = engine.runner
+    with torch.inference_mode():
+        inputs = runner.prepare(batch)
+        runner.forward(inputs.input_ids, inputs.positions.to(torch.int32), inputs.meta)
+
+
 def run_schedule(
     engine: LLMEngine,
     arrivals: list[tuple[int, list[int], SamplingParams]],

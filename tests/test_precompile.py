@@ -11,13 +11,11 @@ import logging
 import re
 
 import pytest
-import torch
 
-from kiln import SamplingParams
 from kiln.compilation import CompilationConfig
 from kiln.compilation.backend import CompileStats
 from kiln.errors import ConfigError
-from tests.helpers import make_engine
+from tests.helpers import forward_with_int32_positions, make_engine
 from tests.test_compiled import _assert_matches_eager
 
 COMPILED = CompilationConfig(mode=3)  # the CPU default: one Inductor graph
@@ -87,14 +85,10 @@ def test_another_block_size_gets_a_trace_of_its_own(first, model):
 
 def test_a_failed_guard_of_the_loaded_trace_is_a_counted_recompilation(first, model, caplog):
     engine = _engine(model)
-    runner = engine.runner
-    assert runner.compile_backend.stats.trace == "loaded"
-    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
-    batch = engine.scheduler.schedule()
-    with caplog.at_level(logging.WARNING), torch.inference_mode():
-        inputs = runner.prepare(batch)  # as a step does: only the positions differ
-        runner.forward(inputs.input_ids, inputs.positions.to(torch.int32), inputs.meta)
-    assert runner.recompilations == 1
+    assert engine.runner.compile_backend.stats.trace == "loaded"
+    with caplog.at_level(logging.WARNING):
+        forward_with_int32_positions(engine)
+    assert engine.runner.recompilations == 1
     reason = engine.stats().graphs["last_recompile_reason"]
     assert re.search(r"tensor 'L\['positions'\]'", reason)  # the loaded guard, named
     (warning,) = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]

@@ -3,8 +3,8 @@ piece in between with Inductor (or, to bisect a problem, AOTAutograd alone or no
 splitting ops eagerly between them.
 
 Dynamic shapes: the token and batch dimensions of the model's inputs are marked unbacked before
-each call, so one compilation serves every batch size, 0 and 1 included (a backed dimension
-would be specialized at 0/1 and recompiled)."""
+a call that Dynamo traces (precompile.py), so one compilation serves every batch size, 0 and 1
+included (a backed dimension would be specialized at 0/1 and recompiled)."""
 
 from __future__ import annotations
 
