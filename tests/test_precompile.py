@@ -95,6 +95,24 @@ def test_a_failed_guard_of_the_loaded_trace_is_a_counted_recompilation(first, mo
     assert reason in warning
 
 
+def test_a_trace_that_does_not_fit_the_engine_is_refused_by_its_guards(
+    first, model, monkeypatch, caplog
+):
+    """Were a trace file's name to miss a shape the trace specializes on, the loaded guards
+    are what stops it: Dynamo traces instead, and warm-up says so (a kiln bug to report)."""
+    block4 = first.runner.forward.trace_file
+    monkeypatch.setattr(
+        "kiln.compilation.precompile.TraceFile.in_entry",
+        classmethod(lambda cls, entry, device, static: block4),
+    )
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(model, block_size=16)
+    assert engine.runner.forward.trace_file == block4
+    (warning,) = [r.getMessage() for r in caplog.records if "during warm-up" in r.getMessage()]
+    assert re.search(r"k_cache'? size mismatch at index 1\. expected 4, actual 16", warning)
+    _assert_matches_eager(make_engine(model, block_size=16, max_num_batched_tokens=16), engine)
+
+
 def test_an_unreadable_trace_is_told_and_traced_again(first, model, caplog):
     """A trace saved beside a sealed entry's own is outside its manifest, so the entry's
     checksums do not cover it: reading it is what finds it broken."""

@@ -180,9 +180,9 @@ class SplitBackend:
         self.stats = CompileStats()
         self.last_graph: torch.fx.GraphModule | None = None
         self.piecewise: PiecewiseGraphs | None = None  # set by the runner when the plan has them
-        # why the next compilation happens, where Dynamo does not know: the guard of a saved
-        # trace that failed (precompile.py)
-        self.next_recompile_reason: str | None = None
+        # why the compilation during this call would happen, where Dynamo does not know: the
+        # guard of a saved trace that failed (precompile.py), worked out when asked
+        self.next_recompile_reason: Callable[[], str] | None = None
 
     def _is_split(self, node: torch.fx.Node) -> bool:
         return node.op == "call_function" and op_name(node.target) in self.splitting_ops
@@ -208,8 +208,8 @@ class SplitBackend:
 
     def _count_recompilation(self) -> None:
         self.stats.recompilations += 1
-        reason = self.next_recompile_reason or recompile_reason(self.traced_code)
-        self.next_recompile_reason = None
+        explain = self.next_recompile_reason
+        reason = explain() if explain is not None else recompile_reason(self.traced_code)
         self.stats.last_recompile_reason = reason
         logger.warning(
             "torch.compile recompiled the model after warm-up (%d so far) because a guard "

@@ -78,23 +78,29 @@ class PrecompiledForward:
         if not self.stats.trace:
             self.saved = self._load() or self._trace_and_save(args)
         saved = self.saved
-        if saved is not None:
-            if saved.guard_check(self.model, *args):
-                return saved.fn(self.model, *args)
-            self._guard_failed(self._guard_failure(args))
-        self.mark_for_trace(args)
-        return self.dynamo(*args)
+        if saved is None:
+            self.mark_for_trace(args)
+            return self.dynamo(*args)
+        if saved.guard_check(self.model, *args):
+            return saved.fn(self.model, *args)
+        return self._guard_failed(args)
 
-    def _guard_failed(self, reason: str) -> None:
-        """After warm-up, Dynamo's trace of this call is a recompilation, counted and warned
-        about by the backend; before, the saved trace did not fit the engine (a kiln bug)."""
-        self.backend.next_recompile_reason = reason
+    def _guard_failed(self, args: tuple) -> Any:
+        """Dynamo runs the call. After warm-up, a trace it makes is a recompilation, counted
+        and warned about by the backend with the saved guard that failed (worked out only
+        then); before, the saved trace did not fit the engine, a kiln bug."""
         if not self.stats.warmed_up:
             logger.warning(
                 "a guard of the saved Dynamo trace failed during warm-up (%s): Dynamo traces "
                 "the forward again. Please report it with this line",
-                reason,
+                self._guard_failure(args),
             )
+        self.backend.next_recompile_reason = lambda: self._guard_failure(args)
+        self.mark_for_trace(args)
+        try:
+            return self.dynamo(*args)
+        finally:
+            self.backend.next_recompile_reason = None  # Dynamo's own guards may have passed
 
     def _guard_failure(self, args: tuple) -> str:
         f_locals = self.saved.prepare_f_locals(self.model, *args)
