@@ -108,14 +108,14 @@ class PrecompiledForward:
         return "; ".join(getattr(info, "verbose_code_parts", None) or [str(info)])
 
     def _load(self) -> Any:
-        """The saved trace, compiled by kiln's backend (whose errors are the user's to see);
-        None when there is none or it cannot be read."""
+        """The saved trace, bound to kiln's backend (which compiles it at the first call, its
+        errors the user's to see); None when there is none or it cannot be read."""
         tf = self.trace_file
         if tf is None or not tf.path.is_file():
             return None
         start = time.perf_counter()
         try:
-            saved = _deserialize(tf.path.read_bytes())
+            saved = self._deserialize(tf.path.read_bytes())
         except Exception as exc:  # whatever makes it unreadable: trace as if none were saved
             logger.warning(
                 "the saved Dynamo trace %s could not be loaded (%s: %s): tracing the forward "
@@ -127,7 +127,7 @@ class PrecompiledForward:
             )
             return None
         self.stats.trace_load_s = time.perf_counter() - start
-        saved._artifacts.compiled_fn.compile(self.backend)
+        saved._artifacts.compiled_fn.bind(self.backend)  # compiles at the first call
         self.stats.trace = "loaded"
         return saved
 
@@ -143,7 +143,7 @@ class PrecompiledForward:
         try:
             traced = self._aot_compile(args)
             data = type(traced).serialize(traced).serialized_data
-            graph = _deserialize(data)._artifacts.compiled_fn
+            saved_graph = self._deserialize(data)._artifacts.compiled_fn.graph
         except Exception as exc:  # whatever torch refuses: Dynamo as before, said once
             return self._not_saved("traced", exc)
         try:
@@ -152,10 +152,10 @@ class PrecompiledForward:
             self._not_saved("written", exc)
         else:
             self.stats.trace = "traced and saved"
-        graph.compile(self.backend)
-        # this process keeps the guards as traced: those loaded from the file expect no
-        # dimension marks, and the KV caches keep theirs from the trace
-        traced._artifacts.compiled_fn.compiled = graph.compiled
+        # this process keeps the guards as traced (those loaded from the file expect no
+        # dimension marks, and the KV caches keep theirs from the trace), with the graph as saved
+        traced._artifacts.compiled_fn.graph = saved_graph
+        traced._artifacts.compiled_fn.bind(self.backend)
         return traced
 
     def _not_saved(self, step: str, exc: Exception) -> None:
@@ -175,14 +175,26 @@ class PrecompiledForward:
         """Dynamo's trace of a call; kiln's backend does not run on it here."""
         from kiln.compilation.saved_graph import SavedGraph  # imports Dynamo: mode 3 only
 
-        with torch._dynamo.config.patch(enable_aot_compile=True):  # torch 2.11: off by default
+        # automatic dynamic off: it makes whatever differed between earlier compilations of
+        # the forward in this process (a block size, an attention scale) symbolic, so a saved
+        # trace would depend on the process's history; kiln marks what is dynamic itself
+        config = {"enable_aot_compile": True, "automatic_dynamic_shapes": False}
+        with torch._dynamo.config.patch(config):  # aot_compile: off by default in torch 2.11
             compiled = torch.compile(
                 self.forward,
                 backend=lambda gm, example_inputs: SavedGraph(gm),
                 fullgraph=True,
                 options={"guard_filter_fn": self._serializable_guards},
             )
-        return compiled.aot_compile((args, {}))
+            return compiled.aot_compile((args, {}))
+
+    def _deserialize(self, data: bytes) -> Any:
+        """A saved trace, its bytecode bound to the forward's module globals: the bytecode may
+        name one (`torch`, for a symbolic shape Dynamo computes in Python), and torch refuses
+        a trace whose globals it is not given."""
+        from torch._dynamo.aot_compile import AOTCompiledFunction
+
+        return AOTCompiledFunction.deserialize(data, f_globals=self.forward.__func__.__globals__)
 
     def _serializable_guards(self, guards: Sequence[Any]) -> list[bool]:
         """The runner's guards, less those torch cannot save: on globals (modules, functions:
@@ -192,12 +204,6 @@ class PrecompiledForward:
         unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
         keep = self.guard_filter(guards)
         return [k and not (g.is_global or g.guard_type in unsaveable) for k, g in zip(keep, guards)]
-
-
-def _deserialize(data: bytes) -> Any:
-    from torch._dynamo.aot_compile import AOTCompiledFunction
-
-    return AOTCompiledFunction.deserialize(data)
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

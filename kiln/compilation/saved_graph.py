@@ -15,6 +15,7 @@ from torch._subclasses import FakeTensorMode
 from torch.fx._graph_pickler import GraphPickler, Options
 
 from kiln.compilation.backend import SplitBackend
+from kiln.errors import KilnError
 
 
 class KilnGraphPickler(GraphPickler):
@@ -34,21 +35,36 @@ class KilnGraphPickler(GraphPickler):
 
 class SavedGraph(SerializableCallable):
     """Dynamo's graph, with the traced value of each node (kiln's backend compiles the pieces
-    from them, and AOTAutograd's cache key covers them), and what kiln's backend made of it.
-    A loaded one runs nothing until `compile` gives it kiln's backend."""
+    from them, and AOTAutograd's cache key covers them). The backend given by `bind` compiles
+    it at the first call: a number among the graph's inputs is compiled as that call passes it,
+    as Dynamo passes numbers to a backend (a float traced as an unbacked SymFloat is what
+    kiln's attention op cannot take; backend.py's `_graph_inputs`)."""
 
-    def __init__(self, graph: torch.fx.GraphModule, compiled: Callable | None = None) -> None:
-        self.graph, self.compiled = graph, compiled
+    def __init__(self, graph: torch.fx.GraphModule) -> None:
+        self.graph = graph
+        self.backend: SplitBackend | None = None
+        self.compiled: Callable | None = None
+
+    def bind(self, backend: SplitBackend) -> None:
+        self.backend = backend
 
     def __call__(self, *args: Any) -> Any:
+        if self.compiled is None:
+            self.compiled = self._compile(args)
         return self.compiled(*args)
 
-    def compile(self, backend: SplitBackend) -> None:
+    def _compile(self, args: tuple) -> Callable:
         from torch._guards import TracingContext, detect_fake_mode, tracing
 
-        inputs = [n.meta["example_value"] for n in self.graph.graph.find_nodes(op="placeholder")]
+        if self.backend is None:
+            raise KilnError("a saved Dynamo trace ran before kiln's backend was bound to it")
+        placeholders = self.graph.graph.find_nodes(op="placeholder")
+        inputs = [
+            node.meta.get("example_value", arg) if isinstance(arg, torch.Tensor) else arg
+            for node, arg in zip(placeholders, args, strict=True)
+        ]
         with tracing(TracingContext(detect_fake_mode(inputs))):
-            self.compiled = backend(self.graph, inputs)
+            return self.backend(self.graph, inputs)
 
     @classmethod
     def serialize_compile_artifacts(cls, fn: SavedGraph) -> bytes:
