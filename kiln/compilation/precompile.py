@@ -132,9 +132,9 @@ class PrecompiledForward:
         return saved
 
     def _trace_and_save(self, args: tuple) -> Any:
-        """Trace with torch's aot_compile and save the trace; then compile what a later boot
-        will load (the graph as saved, not as traced: AOTAutograd's cache key covers the
-        graph, and only the saved one is the same in every process)."""
+        """Trace with torch's aot_compile and save the trace. What compiles at the first call
+        is what a later boot will load: the graph as saved, not as traced (AOTAutograd's
+        cache key covers the graph, and only the saved one is the same in every process)."""
         tf = self.trace_file
         if tf is None:
             self.stats.trace = f"traced (not saved: {self.no_trace_file})"
