@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 from kiln.errors import ConfigError
@@ -33,3 +34,13 @@ def writable_dir(
             return path
         problem = "not writable"
     raise ConfigError(f"kiln cannot write {what} {path} ({problem}). Remedy: {remedy}")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """Readers of `path` see the old file or the whole new one, never a part: written beside
+    it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)

@@ -15,7 +15,6 @@ import json
 import logging
 import os
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 
 from kiln.compilation.cache_lock import LOCKS_DIR, EntryLock
 from kiln.errors import ConfigError
-from kiln.paths import kiln_cache_dir, writable_dir
+from kiln.paths import kiln_cache_dir, writable_dir, write_atomically
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -234,10 +233,8 @@ class CompileCacheEntry:
             if p.is_file() and p.name != MANIFEST
         }
         manifest = {"fields": self.fields, "created": time.time(), "files": files}
-        fd, tmp = tempfile.mkstemp(dir=self.path, prefix=".manifest")
-        with os.fdopen(fd, "w") as f:
-            json.dump(manifest, f, indent=1, default=str)
-        os.replace(tmp, self.path / MANIFEST)
+        text = json.dumps(manifest, indent=1, default=str)
+        write_atomically(self.path / MANIFEST, text.encode())
         self.release()
 
     def release(self) -> None:

@@ -1,8 +1,8 @@
 """Dynamo's trace of the forward, saved in the compile cache entry and loaded by later boots
 (torch's AOT compile: `torch.compile(...).aot_compile`, `torch.compiler.load_compiled_function`).
 
-A warm compiled boot used to trace the forward again with Dynamo (3-4 s of the embedded
-model's ~7 s boot) only to find every piece in the AOTAutograd and Inductor caches. The
+A warm compiled boot used to trace the forward again with Dynamo (~4 s of the embedded
+model's ~10 s boot) only to find every piece in the AOTAutograd and Inductor caches. The
 saved trace holds Dynamo's graph, its guards and the bytecode that calls the graph; loading it
 runs kiln's backend on that graph, which finds the pieces in the entry's caches as before.
 
@@ -17,8 +17,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -28,6 +26,7 @@ from typing import Any
 import torch
 
 from kiln.compilation.backend import SplitBackend
+from kiln.paths import write_atomically
 
 logger = logging.getLogger(__name__)
 
@@ -36,9 +35,9 @@ logger = logging.getLogger(__name__)
 class TraceFile:
     """Where an engine's saved trace lives in its compile cache entry. The entry's key covers
     the model and the compilation; the trace also specializes on the runner's static shapes
-    (the block size, the persistent input buffers' lengths), so each set has a file of its
-    own. Saved into a sealed entry too, under a name nobody else writes to differently:
-    readers see the whole file or none (written atomically)."""
+    (the block size, the persistent input buffers' lengths) and the weights' shapes, so each
+    set has a file of its own. Saved into a sealed entry too, under a name nobody else
+    writes to differently: readers see the whole file or none (written atomically)."""
 
     path: Path
 
@@ -147,7 +146,7 @@ class PrecompiledForward:
         except Exception as exc:  # whatever torch refuses: Dynamo as before, said once
             return self._not_saved("traced", exc)
         try:
-            _write_atomically(tf.path, data)
+            write_atomically(tf.path, data)
         except OSError as exc:  # this boot runs the trace; only later boots lose it
             self._not_saved("written", exc)
         else:
@@ -204,11 +203,3 @@ class PrecompiledForward:
         unsaveable = CheckFunctionManager.UNSUPPORTED_SERIALIZATION_GUARD_TYPES
         keep = self.guard_filter(guards)
         return [k and not (g.is_global or g.guard_type in unsaveable) for k, g in zip(keep, guards)]
-
-
-def _write_atomically(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
