@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.cache import (
@@ -144,6 +145,38 @@ def test_a_request_that_resolves_to_the_same_plan_shares_the_entry(tmp_path):
     assert [_entry_path(_plan(**s), tmp_path) == base for s in same[:3]] == [True] * 3
     eager = _entry_path(_plan(**{**sizes, "backend": "eager"}), tmp_path)
     assert _entry_path(_plan(**same[3]), tmp_path) == eager
+
+
+class _VersionedPass(CustomGraphPass):
+    """A graph pass as Inductor's cache wants one: its uuid names its version."""
+
+    def __init__(self, version: str) -> None:
+        self.version = version
+
+    def __call__(self, graph) -> None:
+        pass
+
+    def uuid(self) -> str:
+        return self.version
+
+
+def test_a_graph_pass_keys_the_entry_by_its_uuid(tmp_path):
+    """An object among the Inductor options keys the entry by its class and uuid(), not by its
+    address (which printed into the key gave every process its own entry): two instances of
+    one version share the entry, another version gets its own. The plan stays JSON for
+    `/v1/engine`."""
+
+    def plan_with(version: str) -> dict:
+        options = {"post_grad_custom_post_pass": _VersionedPass(version)}
+        return _plan(mode=3, inductor_compile_config=options)
+
+    path = {version: _entry_path(plan_with(version), tmp_path) for version in ("v1", "v2")}
+    again = plan_with("v1")  # another instance
+    assert _entry_path(again, tmp_path) == path["v1"] != path["v2"]
+    shown = f"{__name__}._VersionedPass(uuid='v1')"
+    assert json.loads(json.dumps(again))["inductor_compile_config"] == {
+        "post_grad_custom_post_pass": shown
+    }
 
 
 def test_corrupted_entry_is_rebuilt(tmp_path, caplog):

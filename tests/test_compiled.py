@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln import SamplingParams
 from kiln.compilation import CompilationConfig
@@ -185,6 +186,41 @@ def test_inductor_options_reach_inductor(tiny_models, tmp_path):
     codes = list(tmp_path.glob("compilation_0/*.inductor.py"))
     assert len(codes) == compiled.model_config.num_layers + 1
     assert not any("assert_size_stride(" in c.read_text() for c in codes)
+
+
+class _CountingPass(CustomGraphPass):
+    """A post-grad pass that changes nothing and counts the graphs Inductor gives it."""
+
+    def __init__(self) -> None:
+        self.graphs = 0
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        self.graphs += 1
+
+    def uuid(self) -> str:
+        return "kiln-tests-counting-pass-1"
+
+
+def test_a_custom_graph_pass_runs_and_its_compilation_is_reused(tiny_models, tmp_path, monkeypatch):
+    """A graph pass from the Python API runs on every Inductor piece, and a later engine
+    given another instance of it (same uuid) reuses the entry and the compiled pieces: the
+    pass does not run again. Keyed by address, each instance would have its own entry."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # a new entry: the pieces compile
+    path = tiny_models["llama"]
+    passes = [_CountingPass(), _CountingPass()]
+    compiled = []
+    for pass_ in passes:
+        options = {"post_grad_custom_post_pass": pass_}
+        config = dataclasses.replace(COMPILED, inductor_compile_config=options)
+        compiled.append(
+            make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
+        )
+    pieces = compiled[0].model_config.num_layers + 1
+    assert [p.graphs for p in passes] == [pieces, 0]
+    assert [e.compile_cache.reused for e in compiled] == [False, True]
+    assert compiled[1].compile_cache.path == compiled[0].compile_cache.path
+    _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled[1])
+    assert passes[1].graphs == 0
 
 
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])

@@ -9,6 +9,7 @@ import json
 import logging
 
 import pytest
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation import (
@@ -231,6 +232,50 @@ def test_config_parsing_errors():
     ]:
         with pytest.raises(ConfigError, match=words):
             CompilationConfig.from_json(bad)
+
+
+def test_an_inductor_option_the_cache_key_cannot_name_is_refused():
+    """A Python object among the Inductor options (a custom graph pass, from the Python API)
+    must name its version with uuid(), as torch's CustomGraphPass does: the compile cache key
+    holds it, and anything else would print as an address, a new key in every process. Each
+    refusal says what it got and the remedy; a pass with a uuid is accepted and shown by it."""
+
+    class Versioned(CustomGraphPass):
+        def __init__(self, version):
+            self.version = version
+
+        def __call__(self, graph):
+            pass
+
+        def uuid(self):
+            if isinstance(self.version, Exception):
+                raise self.version
+            return self.version
+
+    def a_function(graph):
+        pass
+
+    remedy = "Remedy: make it a torch._inductor.custom_graph_pass.CustomGraphPass whose uuid()"
+    for value, words in [
+        (a_function, "<locals>.a_function, which the compile cache key cannot name"),
+        (object(), "is a value of type object, which"),
+        (Versioned, "is the class test_an_inductor_option"),
+        (Versioned(None), "whose uuid() returned None"),
+        ([1, Versioned(None)], "whose uuid() returned None"),
+    ]:
+        with pytest.raises(ConfigError) as err:
+            CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": value})
+        assert words in str(err.value) and remedy in str(err.value)
+    with pytest.raises(ConfigError, match=r"uuid\(\) raised ValueError: no version"):
+        failing = Versioned(ValueError("no version"))
+        CompilationConfig(inductor_compile_config={"post_grad_custom_post_pass": failing})
+    p = plan(M.NONE, inductor_compile_config={"post_grad_custom_post_pass": Versioned(b"\x01")})
+    shown = f"{__name__}.{Versioned.__qualname__}(uuid=b'\\x01')"
+    assert p.to_dict()["inductor_compile_config"] == {"post_grad_custom_post_pass": shown}
+    assert f"post_grad_custom_post_pass={shown!r}" in p.table()
+    assert json.loads(json.dumps(p.to_dict()))["requested"]["inductor_compile_config"] == {
+        "post_grad_custom_post_pass": shown
+    }
 
 
 def test_compiler_settings_resolve_and_unused_ones_are_told(caplog):

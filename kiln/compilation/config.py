@@ -7,9 +7,10 @@ from __future__ import annotations
 import difflib
 import enum
 import json
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
+from kiln.compilation.inductor_options import parse_inductor_config, shown_options
 from kiln.compilation.vllm_fields import VLLM_ONLY, check_vllm_only, read_vllm_fields
 from kiln.errors import ConfigError
 
@@ -127,61 +128,6 @@ def parse_backend(value: Any) -> str:
     return name
 
 
-def _parse_inductor_config(options: Any) -> tuple[tuple[str, Any], ...]:
-    """Inductor's own option names (torch._inductor.config), each checked against this torch:
-    a misspelt option would change nothing."""
-    if isinstance(options, tuple):  # already parsed (dataclasses.replace)
-        options = dict(options)
-    if not isinstance(options, dict):
-        raise ConfigError(
-            "inductor_compile_config must be an object of Inductor options, e.g. "
-            f'{{"max_autotune": true}}, got {options!r}'
-        )
-    import torch
-    import torch._inductor.config as inductor_config
-
-    known = inductor_config.get_config_copy()
-    options = dict(_flatten(options, known))
-    for name, value in options.items():
-        if name not in known:
-            close = difflib.get_close_matches(str(name), known, n=3)
-            hint = f"; did you mean {', '.join(close)}?" if close else ""
-            raise ConfigError(
-                f"inductor_compile_config: {name!r} is not an option of torch {torch.__version__}"
-                f"'s Inductor (torch._inductor.config){hint}"
-            )
-        _check_option_type(name, value, known[name])
-    return tuple(sorted(options.items()))
-
-
-def _flatten(options: dict[str, Any], known: dict[str, Any], prefix: str = ""):
-    """{"cpp": {"simdlen": 8}} (what `-O.inductor_compile_config.cpp.simdlen=8` gives) is
-    Inductor's "cpp.simdlen"; an option whose value is a dict stays one option."""
-    for key, value in options.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict) and name not in known:
-            yield from _flatten(value, known, f"{name}.")
-        else:
-            yield name, value
-
-
-_KIND_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _check_option_type(name: str, value: Any, default: Any) -> None:
-    for kind, kind_name in _KIND_NAMES.items():  # bool first: it is an int too
-        if isinstance(default, kind):
-            ok = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-            if kind is float:
-                ok = ok or _is_int(value)
-            if not ok:
-                raise ConfigError(
-                    f"inductor_compile_config: {name} takes {kind_name} (its default is "
-                    f"{default!r}), got {value!r}"
-                )
-            return
-
-
 @dataclass(frozen=True)
 class CompilationConfig:
     mode: int | None = None  # 0: eager, 3: torch.compile with kiln's split backend
@@ -207,7 +153,7 @@ class CompilationConfig:
             "cudagraph_capture_sizes": _parse_sizes,
             "splitting_ops": _parse_ops,
             "backend": parse_backend,
-            "inductor_compile_config": _parse_inductor_config,
+            "inductor_compile_config": parse_inductor_config,
             "vllm_only": check_vllm_only,
         }
         for name, parse in parsed.items():
@@ -245,9 +191,11 @@ class CompilationConfig:
         return cls(**data)
 
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
+        # not asdict: it deep-copies values, and a graph pass object may refuse to be copied
+        d = {f.name: getattr(self, f.name) for f in fields(self)}
         d["cudagraph_mode"] = self.cudagraph_mode.value if self.cudagraph_mode else None
-        d["inductor_compile_config"] = self.inductor_options
+        options = self.inductor_compile_config
+        d["inductor_compile_config"] = shown_options(options) if options is not None else None
         d["vllm_only"] = dict(self.vllm_only)
         return d
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from kiln.attention.backend import GraphSupport
 from kiln.compilation.config import CompilationConfig, CUDAGraphMode
+from kiln.compilation.inductor_options import shown_options
 from kiln.compilation.plan_table import plan_table, show
 from kiln.compilation.vllm_fields import unused_vllm_fields
 from kiln.errors import ConfigError
@@ -94,7 +95,7 @@ class GraphPlan:
             "splitting_ops": list(self.splitting_ops),
             "uniform_decode_query_len": self.uniform_decode_query_len,
             "backend": self.backend,
-            "inductor_compile_config": dict(self.inductor_options),
+            "inductor_compile_config": shown_options(self.inductor_options),
             "changes": [vars(c) for c in self.changes],
         }
 
@@ -255,7 +256,10 @@ def _resolve_compiler(
 def _unused_compiler_setting(
     name: str, req: CompilationConfig, mode: int, enforce_eager: bool
 ) -> PlanChange:
-    value = req.inductor_options if name == "inductor_compile_config" else getattr(req, name)
+    if name == "inductor_compile_config":
+        value: Any = shown_options(req.inductor_compile_config or ())
+    else:
+        value = getattr(req, name)
     if mode != 3:
         reason = "mode 0 compiles nothing" + (" (--enforce-eager)" if enforce_eager else "")
         remedy = "drop --enforce-eager" if enforce_eager else 'set "mode": 3'

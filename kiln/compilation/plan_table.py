@@ -6,6 +6,8 @@ import enum
 import logging
 from typing import TYPE_CHECKING, Any
 
+from kiln.compilation.inductor_options import shown_options
+
 if TYPE_CHECKING:
     from kiln.compilation.plan import GraphPlan
 
@@ -56,7 +58,7 @@ def _ops(ops: tuple[str, ...] | None) -> str:
 
 
 def _options(options: tuple[tuple[str, Any], ...]) -> str:
-    return ", ".join(f"{k}={v!r}" for k, v in options)
+    return ", ".join(f"{k}={v!r}" for k, v in shown_options(options).items())
 
 
 def _sizes(sizes: tuple[int, ...]) -> str:
