@@ -11,8 +11,11 @@ each resolved to (the plan), so a configuration that was changed is visible next
 On the CPU every configuration is booted first and measured `--rounds` times (default 3),
 interleaved, and the table shows medians over rounds, then every round's values: a shared
 machine's speed drifts over minutes, and one configuration measured after the other would take
-that drift for a difference between them. On a GPU the default is one round, one engine at a time
-(each sizes its KV cache from free memory)."""
+that drift for a difference between them. Each CPU round also times the b=1 floor: the model's
+linears and LM head alone at one row (the weights a decode step streams, on the kernels it
+calls), and a line after the table gives each configuration's b=1 step as a multiple of it,
+which bounds what compilation can gain there. On a GPU the default is one round, one engine at
+a time (each sizes its KV cache from free memory)."""
 
 from __future__ import annotations
 
@@ -98,6 +101,40 @@ def measure(llm: LLM, batches: list[int], prefill_len: int, steps: int, salt: in
     }
 
 
+def linears_ms(llm: LLM, passes: int = 20) -> float:
+    """The b=1 decode floor that compilation cannot lower on the CPU: every linear layer of
+    the model and the LM head run once at one row, through the kernels a step calls (oneDNN's
+    prepacked weights), nothing else (median of `passes`). A decode step must stream these
+    weights; what it spends above this is attention, elementwise ops and host overhead."""
+    from kiln.layers.linear import Linear
+
+    model = llm.engine.runner.model
+    dtype = next(model.parameters()).dtype
+    lm_head = getattr(model, "lm_head", None)  # compute_logits runs it (or the tied embedding)
+    layers = [m for m in model.modules() if isinstance(m, Linear) and m is not lm_head]
+    rows = [torch.randn(1, m.in_features, dtype=dtype) for m in layers]
+    hidden = torch.randn(1, llm.engine.model_config.hidden_size, dtype=dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(passes + 2):  # two to warm up
+            t = time.perf_counter()
+            for layer, x in zip(layers, rows):
+                layer(x)
+            model.compute_logits(hidden)
+            times.append(time.perf_counter() - t)
+    return statistics.median(times[2:]) * 1e3
+
+
+def floor_line(rows: list[dict], floors: list[float]) -> str:
+    floor = statistics.median(floors)
+    ratios = ", ".join(f"{r['config']} {r['decode_ms'][1] / floor:.2f}x" for r in rows)
+    rounds = " ".join(f"{f:.1f}" for f in floors)
+    return (
+        f"b=1 floor (the linears and the LM head alone, one row each): {floor:.1f} ms "
+        f"(rounds {rounds}); decode b=1 at {ratios} of it"
+    )
+
+
 def table_head(batches: list[int]) -> str:
     head = ["config", "resolved", "boot s", "graphs (s, GiB)"]
     head += [*[f"decode ms b={b}" for b in batches], "prefill tok/s"]
@@ -158,11 +195,14 @@ def main() -> None:
         # engines that coexist (rounds > 1) cannot each size their cache from free GPU memory
         kv_cache_memory="4GiB" if not cuda or args.rounds > 1 else None,
     )
+    floors: list[float] = []
     if args.rounds > 1:
-        rows = interleaved(model, configs, boot, batches, prefill_len, args)
+        rows, floors = interleaved(model, configs, boot, batches, prefill_len, args)
     else:
         rows = sequential(model, configs, boot, batches, prefill_len, args)
     print("\n" + table(rows, batches))
+    if floors and 1 in batches:
+        print("\n" + floor_line(rows, floors))
     if args.rounds > 1:
         print("\nevery round (decode ms per batch size; prefill tok/s):")
         for r in rows:
@@ -212,22 +252,25 @@ def sequential(model, configs, boot, batches, prefill_len, args) -> list[dict]:
     return rows
 
 
-def interleaved(model, configs, boot, batches, prefill_len, args) -> list[dict]:
+def interleaved(model, configs, boot, batches, prefill_len, args) -> tuple[list[dict], list[float]]:
     """Every engine booted first, then measured in rounds, the order rotated each round: this
     machine's speed drifts by tens of percent over minutes (docs/performance.md), which
     measuring one configuration after the other would book as a difference between them."""
     engines = [boot_engine(model, cfg, boot) for cfg in configs]
     samples: list[list[dict]] = [[] for _ in engines]
+    floors: list[float] = []
     for r in range(args.rounds):
         for i in [(r + k) % len(engines) for k in range(len(engines))]:
             samples[i].append(measure(engines[i][0], batches, prefill_len, args.steps, salt=r))
+        if not torch.cuda.is_available():
+            floors.append(linears_ms(engines[0][0]))
         print(f"round {r + 1}/{args.rounds} done", flush=True)
     rows = [{**row, **merge(s)} for (_, row), s in zip(engines, samples)]
     for llm, _ in engines:
         llm.close()
     if args.output:
-        save(args.output, torch.cuda.is_available(), rows)
-    return rows
+        save(args.output, torch.cuda.is_available(), rows, floors)
+    return rows, floors
 
 
 def merge(samples: list[dict]) -> dict:
@@ -242,10 +285,13 @@ def merge(samples: list[dict]) -> dict:
     }
 
 
-def save(path: str, cuda: bool, rows: list[dict]) -> None:
+def save(path: str, cuda: bool, rows: list[dict], floors: list[float] | None = None) -> None:
     with open(path, "w") as f:
         device = "cuda" if cuda else "cpu"
-        json.dump({"device": device, "torch": torch.__version__, "rows": rows}, f, indent=2)
+        result = {"device": device, "torch": torch.__version__, "rows": rows}
+        if floors:
+            result["b1_linears_floor_ms_rounds"] = floors
+        json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -33,14 +33,39 @@ def test_interleaved_rounds_keep_every_round(graph_modes, tiny_models):
     boot = dict(kv_cache_memory="64MiB", max_num_seqs=4, max_num_batched_tokens=64)
     args = argparse.Namespace(rounds=2, steps=2, output=None)
     configs = ['{"mode": 0}', '{"mode": 0, "cudagraph_mode": "NONE"}']
-    rows = graph_modes.interleaved(tiny_models["llama"], configs, boot, [1, 2], 32, args)
+    rows, floors = graph_modes.interleaved(tiny_models["llama"], configs, boot, [1, 2], 32, args)
     assert [r["config"] for r in rows] == configs
+    assert len(floors) == 2 and all(f > 0 for f in floors)  # the CPU: one b=1 floor per round
+    line = graph_modes.floor_line(rows, floors)
+    assert all(f"{c} " in line for c in configs) and line.startswith("b=1 floor")
     for r in rows:
         assert r["resolved"] == "mode 0 NONE"
         for b in (1, 2):
             rounds = r["decode_ms_rounds"][b]
             assert len(rounds) == 2 and r["decode_ms"][b] == pytest.approx(sum(rounds) / 2)
         assert len(r["prefill_tok_s_rounds"]) == 2 and r["prefill_tok_s"] > 0
+
+
+def test_the_floor_runs_every_linear_and_the_lm_head_once_per_pass(graph_modes, tiny_models):
+    """The b=1 floor streams each weight a decode step streams, once per pass, at one row."""
+    from kiln.layers.linear import Linear
+
+    llm = LLM(tiny_models["llama"], kv_cache_memory="64MiB", max_num_seqs=4)
+    try:
+        model = llm.engine.runner.model
+        calls, logits_rows = [], []
+        layers = [m for m in model.modules() if isinstance(m, Linear)]
+        for m in layers:
+            m.register_forward_hook(lambda mod, args, out: calls.append((mod, args[0].shape[0])))
+        compute_logits = model.compute_logits
+        model.compute_logits = lambda h: logits_rows.append(h.shape[0]) or compute_logits(h)
+        assert graph_modes.linears_ms(llm, passes=3) > 0
+        # per layer: qkv, o, gate_up, down; then the untied LM head, once, in compute_logits
+        assert len(layers) == 4 * llm.engine.model_config.num_layers + 1
+        assert sorted(map(id, (m for m, _ in calls))) == sorted(map(id, layers * 5))
+        assert {rows for _, rows in calls} == {1} and logits_rows == [1] * 5
+    finally:
+        llm.close()
 
 
 @pytest.mark.parametrize("graph_mode", ["FULL", "PIECEWISE", "FULL_AND_PIECEWISE"])
