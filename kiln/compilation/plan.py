@@ -160,13 +160,7 @@ def resolve_graph_plan(
     backend, inductor_options = _resolve_compiler(r, requested, enforce_eager)
     _report_vllm_only(r, requested)
     if requested_splits is None and RuntimeMode.PIECEWISE not in (decode_mode, mixed_mode):
-        # Nothing replays pieces, so by default the forward compiles as one Inductor graph
-        # with the attention op inside as an extern call: no per-piece call overhead (on the
-        # CPU 1.04x the split graph's decode speed at one stream, 1.13x at 8 streams; its first
-        # compilation takes 38 s against 17 s: docs/performance.md).
-        # Not under aot_eager: without Inductor to reinplace it, AOTAutograd's functional KV
-        # cache write copies every layer's whole cache each step (645 vs 57 ms split, CPU).
-        splitting = () if backend != "aot_eager" else splitting
+        splitting = _unsplit_by_default(backend, splitting)
     if strict and r.changes:
         raise ConfigError(
             "--strict-graphs: the requested compilation config cannot run as asked:\n"
@@ -186,6 +180,16 @@ def resolve_graph_plan(
         backend=backend,
         inductor_options=inductor_options,
     )
+
+
+def _unsplit_by_default(backend: str | None, splitting: tuple[str, ...]) -> tuple[str, ...]:
+    """Where nothing replays pieces, the forward compiles as one Inductor graph by default,
+    the attention op inside as an extern call: no per-piece call overhead (CPU, bf16, 2026-12-02:
+    1.06x the split graph's decode speed at 1 and 8 streams; its first compilation takes 26 s
+    against 8 s: docs/performance.md). Not under aot_eager: without Inductor to reinplace it,
+    AOTAutograd's functional KV cache write copies every layer's whole cache each step (645 vs
+    57 ms split, CPU)."""
+    return () if backend != "aot_eager" else splitting
 
 
 def _start(requested: CompilationConfig, device: DeviceCaps, enforce_eager: bool) -> _Resolution:
