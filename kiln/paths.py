@@ -38,9 +38,32 @@ def writable_dir(
 
 def write_atomically(path: Path, data: bytes) -> None:
     """Readers of `path` see the old file or the whole new one, never a part: written beside
-    it, then renamed over it."""
+    it, then renamed over it. The file gets the mode a plain open would (0666 less the umask),
+    not mkstemp's 0600, which would shut the other users of a shared cache out of it."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}")
+    os.fchmod(fd, 0o666 & ~process_umask())
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
+
+
+def temp_dir_in(parent: Path) -> str:
+    """A new directory in `parent` to fill and rename into place, with the mode mkdir would
+    give it (0777 less the umask) rather than mkdtemp's 0700."""
+    tmp = tempfile.mkdtemp(dir=parent)
+    os.chmod(tmp, 0o777 & ~process_umask())
+    return tmp
+
+
+def process_umask() -> int:
+    """This process's umask, read without changing it (os.umask can only set it, and setting
+    it for a moment would race other threads creating files): from /proc on Linux, else 022."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    return 0o022

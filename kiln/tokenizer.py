@@ -8,11 +8,10 @@ import hashlib
 import logging
 import os
 import shutil
-import tempfile
 from typing import Any
 
 from kiln.errors import InvalidRequestError, ModelLoadError
-from kiln.paths import kiln_cache_dir, writable_dir
+from kiln.paths import kiln_cache_dir, temp_dir_in, writable_dir
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,7 @@ def _convert_gguf_tokenizer(path: str, target: str) -> None:
         raise ModelLoadError(
             f"cannot build a tokenizer from the GGUF metadata of {path!r}: {exc}"
         ) from None
-    tmp = tempfile.mkdtemp(dir=writable_dir(os.path.dirname(target)))
+    tmp = temp_dir_in(writable_dir(os.path.dirname(target)))
     hf.save_pretrained(tmp)
     try:
         os.rename(tmp, target)  # atomic: a concurrent conversion either wins or finds it done

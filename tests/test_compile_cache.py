@@ -8,6 +8,7 @@ import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ from kiln.compilation.cache import (
     open_for_plan,
     triton_version,
 )
+from kiln.compilation.cache_lock import lock_path
 from kiln.compilation.config import CompilationConfig
 from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+from kiln.paths import process_umask, temp_dir_in, write_atomically
 
 BASE = dict(
     model_config={"architecture": "LlamaForCausalLM", "hidden_size": 64},
@@ -281,6 +284,67 @@ def test_clear_keeps_what_a_running_process_compiles(tmp_path):
     assert compiling.path.is_dir()
     compiling.seal()
     assert clear_entries(root=tmp_path).removed == [compiling.path.name]
+
+
+def test_cache_files_take_the_umask_so_that_a_group_can_share_the_cache(tmp_path):
+    """What kiln writes into a cache gets the mode a plain open or mkdir would: under umask
+    002 (a cache shared by a group) the other members can read the manifest and lock the
+    entry. mkstemp's 0600 and mkdtemp's 0700 shut them out: the manifest unreadable, the entry
+    looked corrupt to them and they deleted it; the lock file refused them with a traceback."""
+    fields = cache_key_fields(**BASE)
+    before = os.umask(0o002)
+    try:
+        assert process_umask() == 0o002
+        entry = CompileCacheEntry.open(fields, tmp_path)
+        entry.seal()
+        write_atomically(tmp_path / "trace.bin", b"a saved trace")
+        converted = Path(temp_dir_in(tmp_path))  # where a GGUF tokenizer is converted
+        os.umask(0o077)
+        write_atomically(tmp_path / "private.bin", b"a private trace")
+    finally:
+        os.umask(before)
+    modes = {
+        p.name: p.stat().st_mode & 0o777
+        for p in (entry.path / MANIFEST, lock_path(entry.path), tmp_path / "trace.bin", converted)
+    }
+    assert modes == {
+        MANIFEST: 0o664,
+        f"{entry.path.name}.lock": 0o664,
+        "trace.bin": 0o664,
+        converted.name: 0o775,
+    }
+    assert (tmp_path / "private.bin").stat().st_mode & 0o777 == 0o600
+
+
+def test_a_lock_file_this_user_cannot_write_is_locked_read_only(tmp_path, monkeypatch):
+    """Another member of the group made the lock file before umask 002 was set (0644): kiln
+    opens it read-only, which flock needs no more than, and leaves its owner line alone."""
+    from kiln.compilation import cache_lock
+
+    fields = cache_key_fields(**BASE)
+    first = CompileCacheEntry.open(fields, tmp_path)
+    first.seal()
+    lock_file = lock_path(first.path)
+    owner = lock_file.read_text()
+    real_open = os.open
+
+    def as_another_user(path, flags, *mode):
+        if Path(path) == lock_file and flags & os.O_RDWR:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, flags, *mode)
+
+    monkeypatch.setattr(cache_lock.os, "open", as_another_user)
+    reused = CompileCacheEntry.open(fields, tmp_path)
+    assert reused.reused and reused.lock is not None and not reused.lock.writable
+    reused.release()
+    rebuilt = CompileCacheEntry.open({**fields, "dtype": "bfloat16"}, tmp_path)  # its own file
+    assert rebuilt.lock.writable
+    lock = cache_lock.EntryLock(first.path)  # compiling into the other user's entry
+    assert lock.exclusive() == 0.0
+    lock.record_owner()
+    assert lock_file.read_text() == owner
+    lock.release()
+    rebuilt.release()
 
 
 def test_a_filesystem_without_locks_is_warned_about_and_still_cached(tmp_path, caplog, monkeypatch):

@@ -43,8 +43,15 @@ class EntryLock:
     def __init__(self, entry: Path) -> None:
         self.path = lock_path(entry)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        self.file: IO[str] | None = os.fdopen(fd, "r+")  # held until release()
+        # 0666 less the umask, as a plain open: in a cache shared by a group, another user
+        # must be able to lock it too; flock needs only a read-only descriptor, so one that
+        # can read but not write the file locks it and leaves its owner line as it is
+        self.writable = True
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        except PermissionError:
+            fd, self.writable = os.open(self.path, os.O_RDONLY), False
+        self.file: IO[str] | None = os.fdopen(fd, "r+" if self.writable else "r")
         self.mode: int | None = None
         self.unsupported = False  # a filesystem without flock: warned about, then unlocked
 
@@ -121,6 +128,8 @@ class EntryLock:
         unlocked: one short write). Called holding the lock exclusively."""
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         f = self._open_file()
+        if not self.writable:
+            return
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}, since {started}\n")
