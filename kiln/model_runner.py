@@ -20,6 +20,7 @@ from kiln.compilation.backend import (
     mark_dynamic_dims,
     model_guard_filter,
     own_forward,
+    restorer_of_marks,
 )
 from kiln.compilation.dispatcher import Dispatch, GraphCounters, describe, dispatch
 from kiln.compilation.dump import GraphDump, dump_root
@@ -352,15 +353,18 @@ class ModelRunner:
         self.piecewise.sizes.add(size)
         return len(self.piecewise.graphs) - before
 
-    def _mark_for_trace(self, args: tuple) -> None:
+    def _mark_for_trace(self, args: tuple) -> Callable[[], None]:
         """Before Dynamo traces a call: its token and batch dimensions unbacked, and the
         number of KV blocks dynamic (the graph-memory measurement compiles on a two-block
         cache, and the real cache must not recompile it: on a GPU that was a second full
-        compilation at every boot)."""
+        compilation at every boot). Returns what takes the KV caches' marks off again (the
+        step's inputs are new tensors every step)."""
+        restore = restorer_of_marks([t for pair in self.kv_caches for t in pair])
         mark_dynamic_dims(self._dynamic_inputs(*args))
         for k_cache, v_cache in self.kv_caches:
             torch._dynamo.mark_dynamic(k_cache, 0)
             torch._dynamo.mark_dynamic(v_cache, 0)
+        return restore
 
     @staticmethod
     def _dynamic_inputs(

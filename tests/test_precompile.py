@@ -11,6 +11,7 @@ import logging
 import re
 
 import pytest
+import torch
 
 from kiln.compilation import CompilationConfig
 from kiln.compilation.backend import CompileStats
@@ -93,6 +94,16 @@ def test_a_failed_guard_of_the_loaded_trace_is_a_counted_recompilation(first, mo
     assert re.search(r"tensor 'L\['positions'\]'", reason)  # the loaded guard, named
     (warning,) = [r.getMessage() for r in caplog.records if "recompiled" in r.getMessage()]
     assert reason in warning
+    # the fallback marked the KV caches dynamic for Dynamo; a step laid out as kiln lays it out
+    # passes the loaded guards again (their marks, left on, failed them at every later step)
+    runner = engine.runner
+    with torch.inference_mode():
+        inputs = runner.prepare(engine.scheduler.schedule())
+        args = (inputs.input_ids, inputs.positions, inputs.meta)
+        assert runner.forward.saved.guard_check(runner.forward.model, *args)
+    reference = make_engine(model, block_size=4, max_num_batched_tokens=16)
+    _assert_matches_eager(reference, engine)
+    assert engine.runner.recompilations == 1
 
 
 def test_a_trace_that_does_not_fit_the_engine_is_refused_by_its_guards(

@@ -8,6 +8,7 @@ included (a backed dimension would be specialized at 0/1 and recompiled)."""
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import types
@@ -317,6 +318,23 @@ def mark_dynamic_dims(tensors: Sequence[tuple[torch.Tensor, Sequence[int]]]) -> 
     for tensor, dims in tensors:
         for d in dims:
             torch._dynamo.decorators.mark_unbacked(tensor, d)
+
+
+def restorer_of_marks(tensors: Sequence[torch.Tensor]) -> Callable[[], None]:
+    """A callable that puts `tensors`' Python attributes back as they are now: Dynamo's
+    dimension marks are such attributes (mark_dynamic and mark_unbacked add several, which
+    differ between torch versions), and a loaded trace's guards require the marks its
+    tensors had when it was traced."""
+    before = [(t, {k: copy.copy(v) for k, v in vars(t).items()}) for t in tensors]
+
+    def restore() -> None:
+        for tensor, attrs in before:
+            for name in set(vars(tensor)) - set(attrs):
+                delattr(tensor, name)
+            for name, value in attrs.items():
+                setattr(tensor, name, value)
+
+    return restore
 
 
 def model_guard_filter(guards: Sequence[Any]) -> list[bool]:

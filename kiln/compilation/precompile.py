@@ -57,11 +57,12 @@ class PrecompiledForward:
         backend: SplitBackend,
         guard_filter: Callable[[Sequence[Any]], list[bool]],
         trace_file: TraceFile | None,
-        mark_for_trace: Callable[[tuple], None],
+        mark_for_trace: Callable[[tuple], Callable[[], None]],
         no_trace_file: str = "",
     ) -> None:
         """`forward`: the model's bound forward; `mark_for_trace(args)` marks the dynamic
-        dimensions of a call's inputs and of the KV caches before Dynamo traces it;
+        dimensions of a call's inputs and of the KV caches before Dynamo traces it, and
+        returns what takes the KV caches' marks off again;
         `no_trace_file`: why `trace_file` is None."""
         self.model = forward.__self__
         self.forward, self.backend, self.guard_filter = forward, backend, guard_filter
@@ -95,11 +96,14 @@ class PrecompiledForward:
                 self._guard_failure(args),
             )
         self.backend.next_recompile_reason = lambda: self._guard_failure(args)
-        self.mark_for_trace(args)
+        unmark = self.mark_for_trace(args)
         try:
             return self.dynamo(*args)
         finally:
             self.backend.next_recompile_reason = None  # Dynamo's own guards may have passed
+            # the KV caches as the loaded guards expect them: left marked, they would fail
+            # every later step (Dynamo's guards take unmarked tensors too)
+            unmark()
 
     def _guard_failure(self, args: tuple) -> str:
         f_locals = self.saved.prepare_f_locals(self.model, *args)
