@@ -549,3 +549,35 @@ def test_cache_ls_names_the_piece_backend_when_it_is_not_inductor():
 
     assert " backend eager torch " in row(backend="eager", inductor_compile_config={})
     assert "backend" not in row(backend="inductor") + row()  # the default; entries before the field
+
+
+def test_an_entry_clear_cannot_remove_is_reported_not_a_traceback(tmp_path, monkeypatch, capsys):
+    """In a shared cache another user's files may not be this user's to delete (a test run as
+    root deletes anything, so rmtree is made to refuse, as the kernel would): `kiln cache
+    clear` names the entry, why and the remedy, goes on with the rest, and exits 1."""
+    import argparse
+
+    from kiln.cli.cache import run_cache
+    from kiln.compilation import cache
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    root = tmp_path / "compile"
+    theirs = CompileCacheEntry.open(cache_key_fields(**BASE), root)
+    theirs.seal()
+    mine = CompileCacheEntry.open(cache_key_fields(**{**BASE, "dtype": "bfloat16"}), root)
+    mine.seal()
+    rmtree = cache.shutil.rmtree
+
+    def as_another_user(path, *args, **kwargs):
+        if Path(path) == theirs.path:
+            raise PermissionError(13, "Permission denied", str(theirs.path / MANIFEST))
+        return rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(cache.shutil, "rmtree", as_another_user)
+    code = run_cache(argparse.Namespace(action="clear", key=None, stale=False))
+    out = capsys.readouterr().out
+    assert code == 1 and "removed 1 compile cache entry" in out
+    why = f"Permission denied: {theirs.path / MANIFEST}"
+    assert f"could not remove {theirs.path.name} ({why})" in out
+    assert "KILN_CACHE_DIR at a cache of your own" in out
+    assert theirs.path.is_dir() and not mine.path.exists()

@@ -37,7 +37,12 @@ def run_cache(args: argparse.Namespace) -> int:
                 f"kept {key}: a running kiln process is compiling or loading it (last compiled "
                 f"by {owner}); run `kiln cache clear` again once it has booted"
             )
-        return 1 if result.in_use else 0
+        for key, problem in result.failed.items():
+            print(
+                f"could not remove {key} ({problem}): remove it as the user who owns its "
+                "files, or point KILN_CACHE_DIR at a cache of your own"
+            )
+        return 1 if result.in_use or result.failed else 0
     rows = list_entries()
     if not rows:
         print(f"the compile cache at {compile_root()} is empty")

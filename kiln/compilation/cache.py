@@ -333,6 +333,7 @@ def _describe_entry(path: Path, source_hash: str) -> dict[str, Any]:
 class ClearResult:
     removed: list[str] = field(default_factory=list)
     in_use: dict[str, str] = field(default_factory=dict)  # key -> the process using it
+    failed: dict[str, str] = field(default_factory=dict)  # key -> why it could not be removed
 
 
 def clear_entries(
@@ -352,10 +353,21 @@ def clear_entries(
     result = ClearResult()
     for path in targets:
         lock = EntryLock(path)
-        if lock.try_exclusive():
-            shutil.rmtree(path)
-            result.removed.append(path.name)
-        else:
+        if not lock.try_exclusive():
             result.in_use[path.name] = lock.owner()
+        elif (problem := _remove_tree(path)) is not None:
+            result.failed[path.name] = problem
+        else:
+            result.removed.append(path.name)
         lock.release()
     return result
+
+
+def _remove_tree(path: Path) -> str | None:
+    """Why `path` could not be removed (another user's files in a shared cache, a read-only
+    filesystem), or None once it is gone."""
+    try:
+        shutil.rmtree(path)
+    except OSError as exc:
+        return f"{exc.strerror or exc}: {exc.filename or path}"
+    return None
