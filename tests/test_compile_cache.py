@@ -581,3 +581,49 @@ def test_an_entry_clear_cannot_remove_is_reported_not_a_traceback(tmp_path, monk
     assert f"could not remove {theirs.path.name} ({why})" in out
     assert "KILN_CACHE_DIR at a cache of your own" in out
     assert theirs.path.is_dir() and not mine.path.exists()
+
+
+def test_an_entry_this_user_cannot_read_or_remove_is_an_error_naming_the_remedy(
+    tmp_path, monkeypatch
+):
+    """Another user's entry in a shared cache, its files unreadable to this one (made so by
+    refusing the reads: root reads anything): it is not intact, and since it cannot be removed
+    to compile it again, boot stops with the remedy rather than a traceback or a compilation
+    over the remains, and lets go of the entry's lock."""
+    from kiln.compilation import cache
+    from kiln.errors import ConfigError
+
+    fields = cache_key_fields(**BASE)
+    theirs = CompileCacheEntry.open(fields, tmp_path)
+    (theirs.path / "piece.py").write_text("compiled code")
+    theirs.seal()
+    sha = cache._sha
+
+    def unreadable(path):
+        if path.name == "piece.py":
+            raise PermissionError(13, "Permission denied", str(path))
+        return sha(path)
+
+    monkeypatch.setattr(cache, "_sha", unreadable)
+    monkeypatch.setattr(
+        cache,
+        "_remove_tree",
+        lambda path: f"Permission denied: {path / 'piece.py'}",
+    )
+    with pytest.raises(ConfigError) as err:
+        CompileCacheEntry.open(fields, tmp_path)
+    message = str(err.value)
+    assert "piece.py is unreadable: Permission denied" in message
+    assert f"`kiln cache clear {theirs.path.name}`" in message and "KILN_CACHE_DIR" in message
+    assert (theirs.path / "piece.py").read_text() == "compiled code"
+    assert cache_lock_is_free(theirs.path)
+
+
+def cache_lock_is_free(entry_path) -> bool:
+    from kiln.compilation.cache_lock import EntryLock
+
+    lock = EntryLock(entry_path)
+    try:
+        return lock.try_exclusive()
+    finally:
+        lock.release()

@@ -194,7 +194,7 @@ class CompileCacheEntry:
             return cls(path, fields, True, lock, waited)
         if path.exists():
             logger.warning("compile cache entry %s is corrupted (%s): rebuilding it", path, problem)
-            shutil.rmtree(path, ignore_errors=True)
+            _remove_for_rebuild(path, problem, lock)
         path.mkdir(parents=True, exist_ok=True)
         lock.record_owner()
         return cls(path, fields, False, lock, waited)
@@ -255,6 +255,21 @@ def _log_wait(path: Path, owner: str) -> None:
     )
 
 
+def _remove_for_rebuild(path: Path, problem: str, lock: EntryLock) -> None:
+    """A corrupted entry goes before it is compiled again; one this user cannot remove (another
+    user's files in a shared cache) is an error naming the remedy, not a compilation over
+    what is left of it."""
+    why = _remove_tree(path)
+    if why is None:
+        return
+    lock.release()
+    raise ConfigError(
+        f"compile cache entry {path} is corrupted ({problem}), and kiln cannot remove it to "
+        f"rebuild it ({why}). Remedy: remove it as the user who owns its files (`kiln cache "
+        f"clear {path.name}`), or set KILN_CACHE_DIR to a cache of your own"
+    )
+
+
 def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
@@ -271,8 +286,11 @@ def _verify(path: Path) -> str | None:
         f = path / rel
         if not f.is_file():
             return f"{rel} is missing"
-        if _sha(f) != digest:
-            return f"{rel} does not match its checksum"
+        try:
+            if _sha(f) != digest:
+                return f"{rel} does not match its checksum"
+        except OSError as exc:  # another user's file in a shared cache
+            return f"{rel} is unreadable: {exc.strerror or exc}"
     return None
 
 
