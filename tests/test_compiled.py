@@ -169,6 +169,46 @@ def test_the_dump_shows_every_piece_and_its_code(engines):
     assert [c.name.split(".")[0] for c in codes] == sorted(r.split()[0] for r in compiled_rows)
     assert all("def call(" in c.read_text() for c in codes)
     assert all("assert_size_stride(" in c.read_text() for c in codes)  # Inductor's default
+    # the linears (qkv, o, gate_up, down per layer) call oneDNN from the generated code, not
+    # kiln's op (which would go back through Python): kiln.compilation.lowerings
+    text = "".join(c.read_text() for c in codes)
+    assert text.count("= torch.ops.mkldnn._linear_pointwise.default(") == 4 * layers
+    assert "= torch.ops.kiln.onednn_linear.default(" not in text
+
+
+def test_the_onednn_lowering_replaces_inductor_default_fallback(monkeypatch):
+    """Where Inductor compiled kiln's linear op before kiln's backend ran (a torch.compile of
+    the user's own), its lowerings table holds the default fallback, which calls the op's
+    Python implementation: registering replaces it, and the code calls oneDNN directly."""
+    from torch._inductor import lowering
+    from torch._inductor.utils import run_and_get_code
+
+    from kiln.compilation.lowerings import register_inductor_lowerings
+    from kiln.layers.linear import Linear
+
+    op = torch.ops.kiln.onednn_linear.default
+    default = lowering.fallback_handler(op, add_to_fallback_set=False)
+    monkeypatch.setitem(lowering.lowerings, op, default)
+    register_inductor_lowerings()
+    assert lowering.lowerings[op] is not default
+    register_inductor_lowerings()  # idempotent: ours stays
+    ours = lowering.lowerings[op]
+    register_inductor_lowerings()
+    assert lowering.lowerings[op] is ours
+
+    layer = Linear(64, 96, bias=True)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.normal_(layer.bias)
+    x = torch.randn(5, 64)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    layer.finalize(torch.device("cpu"))
+    if layer.layout != "onednn":
+        pytest.skip("this torch build has no oneDNN")
+    with torch._inductor.config.patch(fx_graph_cache=False), torch.no_grad():
+        out, (code,) = run_and_get_code(torch.compile(layer, dynamic=True), x)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+    assert "= torch.ops.mkldnn._linear_pointwise.default(" in code
+    assert "torch.ops.kiln.onednn_linear.default(" not in code
 
 
 def test_inductor_options_reach_inductor(tiny_models, tmp_path):

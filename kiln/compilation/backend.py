@@ -23,6 +23,7 @@ from torch.fx.passes.split_module import split_module
 from kiln.compilation.config import qualified_op_name
 from kiln.compilation.dump import GraphDump
 from kiln.compilation.graphs import PiecewiseGraphs
+from kiln.compilation.lowerings import register_inductor_lowerings
 from kiln.compilation.vec_isa_probe import VecIsaProbe
 from kiln.errors import ConfigError, KilnError
 
@@ -143,6 +144,7 @@ def compile_piece(
             return aot_eager(gm, inputs)
         return make_graph_return_tuple(gm, inputs, aot_eager)  # a piece may return one tensor
 
+    register_inductor_lowerings()
     with torch._inductor.config.patch(options):
         return compile_fx(gm, inputs)
 

@@ -114,7 +114,8 @@ def _onednn_linear(
 
 
 # Under torch.compile the packed product is an opaque op (Inductor's own lowering of
-# mkldnn._linear_pointwise expects frozen weights and static shapes).
+# mkldnn._linear_pointwise expects frozen weights and static shapes); kiln's backend lowers
+# it to a direct call of the oneDNN op (kiln/compilation/lowerings.py).
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 _LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")
