@@ -36,14 +36,15 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def _decode(q, k_flat, v_flat, slots, bias, scale):
     """The G query heads sharing a KV head ride as G query rows of one SDPA call: no KV
-    expansion, and SDPA reads the gathered cache through strides (4x faster at 16 rows)."""
+    expansion, and SDPA reads the gathered cache through strides (4x faster at 16 rows).
+    slots and bias are the flat [n * L] per-step tensors; bias is in the model's dtype."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
+    slots = slots.view(n, -1)
     keys = _gather(k_flat, slots).transpose(1, 2)  # [n, Hkv, L, D]
     values = _gather(v_flat, slots).transpose(1, 2)
-    mask = bias[:, None, None, :].to(q.dtype)
     out = F.scaled_dot_product_attention(
-        q.view(n, hkv, h // hkv, d), keys, values, attn_mask=mask, scale=scale
+        q.view(n, hkv, h // hkv, d), keys, values, attn_mask=bias.view(n, 1, 1, -1), scale=scale
     )
     return out.reshape(n, h * d)
 
@@ -92,13 +93,15 @@ def torch_paged_attention(
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
     n_tokens = starts[-1]
-    k_flat.index_copy_(0, slot_mapping[:n_tokens], k[:n_tokens])
-    v_flat.index_copy_(0, slot_mapping[:n_tokens], v[:n_tokens])
+    if k.shape[0] != n_tokens:  # padding rows (a graph's size) write nothing
+        k, v = k[:n_tokens], v[:n_tokens]
+    if slot_mapping.shape[0] != n_tokens:
+        slot_mapping = slot_mapping[:n_tokens]
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-    if n_dec:  # decode_slots/bias are flat [n_dec * L] so their layout never varies
-        decode_slots = decode_slots.view(n_dec, -1)
-        decode_bias = decode_bias.view(n_dec, -1)
+    # decode_slots/bias are flat [n_dec * L] so their layout never varies
     if n_dec == q.shape[0]:
         out.copy_(_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
         return
