@@ -37,7 +37,8 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 def _decode(q, k_flat, v_flat, slots, bias, scale):
     """The G query heads sharing a KV head ride as G query rows of one SDPA call: no KV
     expansion, and SDPA reads the gathered cache through strides (4x faster at 16 rows).
-    slots and bias are the flat [n * L] per-step tensors; bias is in the model's dtype."""
+    slots and bias are the per-step tensors, flat [n * L] so their layout never varies; bias
+    is in the model's dtype."""
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     slots = slots.view(n, -1)
@@ -101,7 +102,6 @@ def torch_paged_attention(
     v_flat.index_copy_(0, slot_mapping, v)
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
-    # decode_slots/bias are flat [n_dec * L] so their layout never varies
     if n_dec == q.shape[0]:
         out.copy_(_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
         return
