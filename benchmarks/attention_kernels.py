@@ -26,8 +26,9 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():  # before anything imports triton, which reads it then
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from kiln.attention.backend import AttentionMetadata, AttentionShape
+from kiln.attention.backend import AttentionShape, BatchLayout
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
+from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 BLOCK_SIZE = 16
 
@@ -60,7 +61,7 @@ class Batch:
     v: torch.Tensor
     k_cache: torch.Tensor
     v_cache: torch.Tensor
-    meta: AttentionMetadata
+    layout: BatchLayout
     context_keys: list[tuple[torch.Tensor, torch.Tensor]]  # per request, contiguous [L, Hkv, D]
 
 
@@ -69,50 +70,32 @@ def slots_of(table: list[int], positions: range) -> list[int]:
 
 
 def build(case: Case, heads: int, kv_heads: int, head_dim: int, dtype, device) -> Batch:
-    """The case's batch with each request's blocks scattered over the cache, and the metadata
-    both backends read (the Triton one's per-token views too)."""
+    """The case's batch with each request's blocks scattered over the cache, laid out in the
+    runner's input buffers (the layout both backends build their metadata from)."""
     widths = [-(-(c + n) // BLOCK_SIZE) for c, n in zip(case.contexts, case.query_lens)]
     width, num_blocks = max(widths), sum(widths)
     perm = torch.randperm(num_blocks).tolist()
     tables = [perm[sum(widths[:i]) : sum(widths[: i + 1])] for i in range(len(widths))]
-    slots, kv_lens, offsets, starts = [], [], [], [0]
-    for row, (n, first, table) in enumerate(zip(case.query_lens, case.contexts, tables)):
-        slots += slots_of(table, range(first, first + n))
-        kv_lens += range(first + 1, first + n + 1)
-        offsets += [row * width] * n
+    rows = [BatchRow([0] * n, c, tb) for n, c, tb in zip(case.query_lens, case.contexts, tables)]
+    starts = [0]
+    for n in case.query_lens:
         starts.append(starts[-1] + n)
     t = starts[-1]
-
-    def ints(values, dtype=torch.int32):
-        return torch.tensor(values, dtype=dtype, device=device)
-
-    flat = ints([b for table in tables for b in (*table, *[0] * (width - len(table)))])
+    buffers = InputBuffers(t, len(tables), width, BLOCK_SIZE, device)
+    layout = buffers.fill(rows, sum(1 for n in case.query_lens if n == 1))
     cache_shape = (num_blocks, BLOCK_SIZE, kv_heads, head_dim)
     k_cache, v_cache = (torch.randn(cache_shape, dtype=dtype, device=device) for _ in range(2))
-    meta = AttentionMetadata(
-        slot_mapping=ints(slots, torch.long),
-        query_start_loc=ints(starts),
-        seq_lens=ints([c + n for c, n in zip(case.contexts, case.query_lens)]),
-        block_tables=flat.view(len(tables), width),
-        num_actual_tokens=t,
-        num_decodes=sum(1 for n in case.query_lens if n == 1),
-        max_seq_len=max(c + n for c, n in zip(case.contexts, case.query_lens)),
-        token_kv_lens=ints(kv_lens),
-        token_table_offsets=ints(offsets),
-        block_tables_flat=flat,
-        query_start_loc_padded=ints([*starts, t]),  # no padding rows: one slot past the end
-    )
     q = torch.randn(t, heads, head_dim, dtype=dtype, device=device)
     k, v = (torch.randn(t, kv_heads, head_dim, dtype=dtype, device=device) for _ in range(2))
     flat_k, flat_v = k_cache.view(-1, kv_heads, head_dim), v_cache.view(-1, kv_heads, head_dim)
     context_keys = []
     for i, (n, first, table) in enumerate(zip(case.query_lens, case.contexts, tables)):
         cached = torch.tensor(slots_of(table, range(first)), dtype=torch.long, device=device)
-        rows = slice(starts[i], starts[i] + n)
+        own = slice(starts[i], starts[i] + n)
         context_keys.append(
-            (torch.cat([flat_k[cached], k[rows]]), torch.cat([flat_v[cached], v[rows]]))
+            (torch.cat([flat_k[cached], k[own]]), torch.cat([flat_v[cached], v[own]]))
         )
-    return Batch(q, k, v, k_cache, v_cache, meta, context_keys)
+    return Batch(q, k, v, k_cache, v_cache, layout, context_keys)
 
 
 def sdpa_reference(batch: Batch, case: Case) -> torch.Tensor:
@@ -148,7 +131,8 @@ def ops(
 ) -> tuple[dict, torch.Tensor]:
     """Each backend's call on the batch (writing into one output), and that output."""
     torch_backend = TorchPagedAttentionBackend(batch.q.dtype)
-    torch_meta = torch_backend.build_metadata(batch.meta, BLOCK_SIZE)
+    t, device = batch.layout.num_tokens, batch.q.device
+    torch_meta = torch_backend.metadata_builder(t, device).build(batch.layout)
     head_dim = batch.q.shape[2]
     out = batch.q.new_empty(batch.q.shape[0], batch.q.shape[1] * head_dim)
 
@@ -163,11 +147,12 @@ def ops(
         q, k = batch.q, batch.k
         shape = AttentionShape(q.shape[1], k.shape[1], head_dim)
         backend = TritonPagedAttentionBackend(shape, split_programs)
-        meta = backend.build_metadata(batch.meta, BLOCK_SIZE)
+        meta = backend.metadata_builder(t, device).build(batch.layout)
         found["triton"] = run(backend, meta)
         if triton_segments(batch, meta) > 1:  # what the split gains: a backend that never splits
             unsplit = TritonPagedAttentionBackend(shape, split_programs=1)
-            found["unsplit"] = run(unsplit, unsplit.build_metadata(batch.meta, BLOCK_SIZE))
+            unsplit_meta = unsplit.metadata_builder(t, device).build(batch.layout)
+            found["unsplit"] = run(unsplit, unsplit_meta)
     return found, out
 
 
@@ -176,7 +161,7 @@ def triton_segments(batch: Batch, meta) -> int:
     from kiln.attention.triton_backend import launch_shape, seq_slots
 
     t, h, _ = batch.q.shape
-    slots = seq_slots(t, meta.query_start_loc_padded)
+    slots = seq_slots(t, meta.query_start_loc_buffer)
     return launch_shape(t, h, batch.k.shape[1], slots, meta.split_programs).segments
 
 

@@ -84,7 +84,7 @@ def hf_side() -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.generation.streamers import BaseStreamer
 
-    from kiln.loader.default_model import default_model_path
+    from kiln.default_model import default_model_path
 
     folder, name = os.path.split(default_model_path())
     tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)

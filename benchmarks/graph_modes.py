@@ -29,7 +29,7 @@ import time
 import torch
 
 from kiln import LLM, SamplingParams
-from kiln.tokenizer import word_level_tokenizer
+from kiln.loader.tokenizer import word_level_tokenizer
 
 # the targets compare FULL with NONE and PIECEWISE with FULL first: a run cut short by a time
 # limit has those rows
@@ -230,7 +230,7 @@ def boot_engine(model: str | None, cfg: str, boot: dict) -> tuple[LLM, dict]:
         "config": cfg,
         "resolved": f"mode {plan.mode} {plan.cudagraph_mode.value}",
         "boot_s": time.perf_counter() - t0,
-        "capture": llm.engine.capture_stats(),
+        "capture": llm.engine.boot.capture.to_dict(),
     }
     return llm, row
 

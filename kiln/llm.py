@@ -6,9 +6,8 @@ import itertools
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from kiln.compilation import CompilationConfig
-from kiln.config import CacheConfig, EngineConfig, SchedulerConfig, parse_bytes
-from kiln.engine import LLMEngine
+from kiln.boot.builder import build_engine
+from kiln.config.options import engine_config
 from kiln.errors import InvalidRequestError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams
@@ -17,48 +16,9 @@ Prompt = str | list[int] | dict[str, Any]
 Message = dict[str, Any]
 
 
-def engine_config(model: str | None = None, **kwargs: Any) -> EngineConfig:
-    """Build an EngineConfig from vLLM-style flat keyword arguments."""
-    cache_keys = {
-        "block_size",
-        "kv_cache_memory",
-        "kv_cache_memory_fraction",
-        "enable_prefix_caching",
-    }
-    sched_keys = {"max_num_seqs", "max_num_batched_tokens", "max_model_len"}
-    engine_keys = {
-        "dtype",
-        "device",
-        "seed",
-        "tokenizer",
-        "enforce_eager",
-        "strict_graphs",
-        "attention_backend",
-        "boot_timeout",
-    }
-    compilation = kwargs.pop("compilation_config", None)
-    if not isinstance(compilation, CompilationConfig):
-        compilation = CompilationConfig.from_json(compilation)
-    unknown = set(kwargs) - cache_keys - sched_keys - engine_keys
-    if unknown:
-        raise TypeError(f"unknown engine options {sorted(unknown)}")
-    cache = {k: v for k, v in kwargs.items() if k in cache_keys and v is not None}
-    if "kv_cache_memory" in cache:
-        cache["kv_cache_memory"] = parse_bytes(cache["kv_cache_memory"])
-    sched = {k: v for k, v in kwargs.items() if k in sched_keys and v is not None}
-    rest = {k: v for k, v in kwargs.items() if k in engine_keys and v is not None}
-    return EngineConfig(
-        model=model,
-        cache=CacheConfig(**cache),
-        scheduler=SchedulerConfig(**sched),
-        compilation=compilation,
-        **rest,
-    )
-
-
 class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
-        self.engine = LLMEngine(engine_config(model, **kwargs))
+        self.engine = build_engine(engine_config(model, **kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

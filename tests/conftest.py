@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from kiln.loader.default_model import default_model_path
+from kiln.default_model import default_model_path
 
 if not torch.cuda.is_available():
     # Triton kernels run in Triton's CPU interpreter here. Triton reads this when it decorates
@@ -78,7 +78,7 @@ def tokenizer_dir(tmp_path_factory) -> str:
     """The embedded model's tokenizer as an HF directory (converted once, cached); where the
     embedded model is not installed (the GPU machine), a file-less word-level tokenizer."""
     from kiln.errors import ModelLoadError
-    from kiln.tokenizer import (
+    from kiln.loader.tokenizer import (
         _convert_gguf_tokenizer,
         _converted_tokenizer_dir,
         word_level_tokenizer,

@@ -11,8 +11,8 @@ from types import ModuleType
 
 import torch
 
-from kiln import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig
-from kiln.compilation import CompilationConfig
+from kiln import CacheConfig, EngineConfig, LLMEngine, SamplingParams, SchedulerConfig, build_engine
+from kiln.config import CompilationConfig
 
 
 def make_engine(
@@ -29,7 +29,7 @@ def make_engine(
     dtype: str = "float32",
     strict_graphs: bool = False,
 ) -> LLMEngine:
-    return LLMEngine(
+    return build_engine(
         EngineConfig(
             model=model,
             dtype=dtype,
@@ -58,8 +58,8 @@ def forward_with_int32_positions(engine: LLMEngine) -> None:
     batch = engine.scheduler.schedule()
     runner = engine.runner
     with torch.inference_mode():
-        inputs = runner.prepare(batch)
-        runner.forward(inputs.input_ids, inputs.positions.to(torch.int32), inputs.meta)
+        input_ids, positions, meta = runner.model_inputs(runner.prepare(batch).layout)
+        runner.forward(input_ids, positions.to(torch.int32), meta)
 
 
 def run_schedule(
@@ -76,7 +76,7 @@ def run_schedule(
             for seq, row in zip(seqs, rows):
                 logits[seq.request_id].append(row.clone())
 
-        engine.logits_observer = observe
+        engine.runner.logits_observer = observe
     finals, step, pending = {}, 0, sorted(enumerate(arrivals), key=lambda a: a[1][0])
     while pending or engine.has_unfinished_requests():
         while pending and pending[0][1][0] <= step:
@@ -86,7 +86,7 @@ def run_schedule(
             if out.finished:
                 finals[out.request_id] = out
         step += 1
-    engine.logits_observer = None
+    engine.runner.logits_observer = None
     return finals, logits
 
 

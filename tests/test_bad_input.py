@@ -82,7 +82,7 @@ def test_shape_mismatch_names_the_tensor(tiny_models, tmp_path):
 
 
 def test_config_errors():
-    from kiln.config import CacheConfig, SchedulerConfig, parse_bytes
+    from kiln.config.engine import CacheConfig, SchedulerConfig, parse_bytes
 
     with pytest.raises(ConfigError, match="block_size"):
         CacheConfig(block_size=3)

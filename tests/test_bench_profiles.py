@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln.bench.probes import answer_passes, probe_messages
-from kiln.cli.main import build_parser
+from kiln.cli.parsers import build_parser
 from kiln.cli.serve import resolve_serve_args
 from kiln.errors import ConfigError
 from kiln.profiles import Probe, load_profile, shipped_profiles

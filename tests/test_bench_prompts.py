@@ -11,7 +11,7 @@ import pytest
 from kiln.bench.client import BenchError
 from kiln.bench.prompts import SUITES, build_prompt, read_corpus, request_tag
 from kiln.bench.tokens import make_counter
-from kiln.cli.bench import parse_size
+from kiln.cli.parsers import parse_size
 
 
 @pytest.fixture(scope="module")

@@ -102,7 +102,7 @@ def test_bad_bench_flags_are_clear_errors(capsys):
     )
     assert "not both" in capsys.readouterr().err
     assert main(["bench", "matrix", "--cudagraph-modes", "SOMETIMES"]) == 2
-    assert "unknown cudagraph mode" in capsys.readouterr().err
+    assert "cudagraph_mode 'SOMETIMES' is not one of" in capsys.readouterr().err
 
 
 def test_a_configuration_that_failed_gets_invalid_rows():

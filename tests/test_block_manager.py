@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from kiln.block_manager import BlockManager
+from kiln.engine.block_manager import BlockManager
 
 
 def _seq(tokens):

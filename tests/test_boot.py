@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from kiln.boot import BootPhases, BootTimeoutError
-from kiln.config import EngineConfig
+from kiln.boot.phases import BootPhases, BootTimeoutError
+from kiln.config.engine import EngineConfig
 from kiln.errors import ConfigError
 
 PHASES = ["load_model", "plan", "measure_graph_memory", "allocate_kv_cache", "warm_up"]
@@ -70,8 +70,8 @@ def test_engine_reports_every_phase(tiny_models):
     from kiln import LLM
 
     llm = LLM(tiny_models["llama"], kv_cache_memory="16MiB", boot_timeout=120)
-    phases = llm.engine.boot_phases
-    assert [f"{p}_s" for p in PHASES] == list(phases)[: len(PHASES)]
-    assert phases["boot_s"] >= sum(v for k, v in phases.items() if k != "boot_s") > 0
+    boot = llm.engine.boot
+    assert list(PHASES) == list(boot.phases_s)[: len(PHASES)]
+    assert boot.boot_s >= sum(boot.phases_s.values()) > 0
     with pytest.raises(ConfigError, match="boot_timeout must be >= 0"):
         EngineConfig(boot_timeout=-1)

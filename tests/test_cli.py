@@ -102,7 +102,7 @@ def test_dotted_compilation_flags_fold_into_the_json():
     """vLLM's `-O.field=value`, `--compilation-config.field value` and `field+` list items,
     merged over the JSON value, in any order."""
     from kiln.cli.dotted_args import merge_dotted, split_dotted
-    from kiln.compilation import CompilationConfig
+    from kiln.config import CompilationConfig
 
     argv = [
         "info",

@@ -15,22 +15,19 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.attention.backend import GraphSupport
-from kiln.compilation.cache import (
+from kiln.compile_cache.entry import (
     CACHE_ENV,
     MANIFEST,
     CompileCacheEntry,
-    cache_key,
-    cache_key_fields,
     check_cache_env,
     clear_entries,
-    kiln_source_hash,
     list_entries,
     open_for_plan,
-    triton_version,
 )
-from kiln.compilation.cache_lock import lock_path
-from kiln.compilation.config import CompilationConfig
-from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+from kiln.compile_cache.key import cache_key, cache_key_fields, kiln_source_hash, triton_version
+from kiln.compile_cache.lock import lock_path
+from kiln.config.compilation import CompilationConfig
+from kiln.config.graph_plan import AttentionCaps, DeviceCaps, resolve_graph_plan
 from kiln.paths import process_umask, temp_dir_in, write_atomically
 
 BASE = dict(
@@ -215,7 +212,7 @@ OPEN_ELSEWHERE = """
 import json, logging, os, sys
 from pathlib import Path
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr, format="%(message)s")
-from kiln.compilation.cache import CompileCacheEntry
+from kiln.compile_cache.entry import CompileCacheEntry
 entry = CompileCacheEntry.open(json.loads(sys.argv[1]), Path(sys.argv[2]))
 if sys.argv[3] == "crash":
     (entry.path / "partial.py").write_text("half a kernel")
@@ -319,7 +316,7 @@ def test_cache_files_take_the_umask_so_that_a_group_can_share_the_cache(tmp_path
 def test_a_lock_file_this_user_cannot_write_is_locked_read_only(tmp_path, monkeypatch):
     """Another member of the group made the lock file before umask 002 was set (0644): kiln
     opens it read-only, which flock needs no more than, and leaves its owner line alone."""
-    from kiln.compilation import cache_lock
+    from kiln.compile_cache import lock as cache_lock
 
     fields = cache_key_fields(**BASE)
     first = CompileCacheEntry.open(fields, tmp_path)
@@ -350,7 +347,7 @@ def test_a_lock_file_this_user_cannot_write_is_locked_read_only(tmp_path, monkey
 def test_a_filesystem_without_locks_is_warned_about_and_still_cached(tmp_path, caplog, monkeypatch):
     import errno
 
-    from kiln.compilation import cache_lock
+    from kiln.compile_cache import lock as cache_lock
 
     def no_locks(file, operation):
         raise OSError(errno.ENOLCK, "No locks available")
@@ -557,8 +554,8 @@ def test_an_entry_clear_cannot_remove_is_reported_not_a_traceback(tmp_path, monk
     clear` names the entry, why and the remedy, goes on with the rest, and exits 1."""
     import argparse
 
-    from kiln.cli.cache import run_cache
-    from kiln.compilation import cache
+    from kiln.cli.cache import run as run_cache
+    from kiln.compile_cache import entry as cache
 
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     root = tmp_path / "compile"
@@ -590,7 +587,7 @@ def test_an_entry_this_user_cannot_read_or_remove_is_an_error_naming_the_remedy(
     refusing the reads: root reads anything): it is not intact, and since it cannot be removed
     to compile it again, boot stops with the remedy rather than a traceback or a compilation
     over the remains, and lets go of the entry's lock."""
-    from kiln.compilation import cache
+    from kiln.compile_cache import entry as cache
     from kiln.errors import ConfigError
 
     fields = cache_key_fields(**BASE)
@@ -620,7 +617,7 @@ def test_an_entry_this_user_cannot_read_or_remove_is_an_error_naming_the_remedy(
 
 
 def cache_lock_is_free(entry_path) -> bool:
-    from kiln.compilation.cache_lock import EntryLock
+    from kiln.compile_cache.lock import EntryLock
 
     lock = EntryLock(entry_path)
     try:

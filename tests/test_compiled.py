@@ -14,15 +14,16 @@ import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln import SamplingParams
-from kiln.compilation import CompilationConfig
-from kiln.compilation.backend import (
+from kiln.compiler.split_backend import (
     ContiguityError,
     _check_contiguous,
     _Piece,
     _SplitCall,
     model_guard_filter,
 )
-from kiln.compilation.vec_isa_probe import wants_probe
+from kiln.compiler.vec_isa_probe import wants_probe
+from kiln.config import CompilationConfig
+from kiln.config.plan_table import plan_table
 from tests.helpers import forward_with_int32_positions, make_engine, run_schedule
 
 # split at attention explicitly: with no piecewise graphs to replay (the CPU) the default is
@@ -87,10 +88,10 @@ def test_compile_time_is_measured(engines):
     """What /v1/engine and `kiln info` report: the compiling call's wall time, of which kiln's
     backend is a part, within the warm-up phase that made it."""
     _, compiled = engines
-    info = compiled.compilation()
+    info = compiled.runner.compile_stats()
     assert (info["backend"], info["compilations"]) == ("inductor", 1)
     assert info["pieces"] == compiled.model_config.num_layers + 1
-    assert 0 < info["backend_s"] < info["compile_s"] <= compiled.boot.durations["warm_up"]
+    assert 0 < info["backend_s"] < info["compile_s"] <= compiled.boot.phases_s["warm_up"]
 
 
 def test_the_cpu_isa_probe_ran_before_the_pieces_compiled(engines):
@@ -126,15 +127,15 @@ def test_the_isa_probe_starts_only_where_inductor_cpu_code_uses_it(
 def test_the_plan_only_preview_is_what_boot_resolved(engines):
     """`kiln info --plan-only`: the same plan and compile cache entry as the boot of that
     configuration, found sealed, without loading a weight or compiling."""
-    from kiln.compilation.cache import entry_for_plan, is_sealed
-    from kiln.engine_plan import preview_engine
+    from kiln.boot.preview import preview_engine
+    from kiln.compile_cache.entry import entry_for_plan, is_sealed
 
     _, compiled = engines
     preview = preview_engine(compiled.config)
     assert preview.plan == compiled.plan and preview.max_model_len == compiled.max_model_len
     args = (preview.plan.to_dict(), preview.source.config.to_dict(), preview.config.dtype)
     path = entry_for_plan(*args, preview.device)
-    assert path == compiled.compile_cache.path and is_sealed(path)
+    assert path == compiled.boot.compile_cache.path and is_sealed(path)
 
 
 def test_boundaries_are_checked_in_debug_mode(engines):
@@ -183,7 +184,7 @@ def test_the_onednn_lowering_replaces_inductor_default_fallback(monkeypatch):
     from torch._inductor import lowering
     from torch._inductor.utils import run_and_get_code
 
-    from kiln.compilation.lowerings import register_inductor_lowerings
+    from kiln.compiler.lowerings import register_inductor_lowerings
     from kiln.layers.linear import Linear
 
     op = torch.ops.kiln.onednn_linear.default
@@ -257,8 +258,8 @@ def test_a_custom_graph_pass_runs_and_its_compilation_is_reused(tiny_models, tmp
         )
     pieces = compiled[0].model_config.num_layers + 1
     assert [p.graphs for p in passes] == [pieces, 0]
-    assert [e.compile_cache.reused for e in compiled] == [False, True]
-    assert compiled[1].compile_cache.path == compiled[0].compile_cache.path
+    assert [e.boot.compile_cache.reused for e in compiled] == [False, True]
+    assert compiled[1].boot.compile_cache.path == compiled[0].boot.compile_cache.path
     _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled[1])
     assert passes[1].graphs == 0
 
@@ -269,20 +270,20 @@ def test_backends_without_inductor_match_eager(tiny_models, tmp_path, backend, c
     Inductor (aot_eager: with AOTAutograd). The pieces run uncompiled, with eager's results."""
     config = dataclasses.replace(COMPILED, backend=backend, debug_dump_path=str(tmp_path))
     path = tiny_models["llama"]
-    with caplog.at_level(logging.INFO, logger="kiln.engine"):
+    with caplog.at_level(logging.INFO, logger="kiln.boot"):
         compiled = make_engine(path, block_size=4, max_num_batched_tokens=16, compilation=config)
-    assert compiled.plan.backend == backend and "piece backend" in compiled.plan.table()
+    assert compiled.plan.backend == backend and "piece backend" in plan_table(compiled.plan)
     _assert_matches_eager(make_engine(path, block_size=4, max_num_batched_tokens=16), compiled)
     stats = compiled.runner.compile_backend.stats
     assert (stats.compilations, stats.pieces) == (1, compiled.model_config.num_layers + 1)
     told = [r.getMessage() for r in caplog.records if r.getMessage().startswith("torch.compile:")]
-    entry = "reused" if compiled.compile_cache.reused else "new"
+    entry = "reused" if compiled.boot.compile_cache.reused else "new"
     assert told == [f"torch.compile: {stats.summary(backend)} (compile cache {entry})"]
     assert f"1 graph, 3 pieces ({backend}) in " in told[0]
     index = (tmp_path / "compilation_0" / "pieces.txt").read_text()
     assert f"piece          {backend}" in index and not list(tmp_path.glob("*/*.inductor.py"))
     inductor_files = [
-        p for p in (compiled.compile_cache.path / "inductor").rglob("*") if p.is_file()
+        p for p in (compiled.boot.compile_cache.path / "inductor").rglob("*") if p.is_file()
     ]
     assert not inductor_files  # nothing was compiled by Inductor into the entry
 
@@ -319,7 +320,7 @@ def test_recompilation_is_counted_and_warned(tiny_models, caplog, monkeypatch):
         seen.extend(zip(guards, keep))
         return keep
 
-    monkeypatch.setattr("kiln.model_runner.model_guard_filter", recording_filter)
+    monkeypatch.setattr("kiln.compiler.precompile.model_guard_filter", recording_filter)
     # Dynamo traces at every boot without a saved trace (test_precompile.py: with one)
     config = CompilationConfig(mode=3, splitting_ops=SPLIT, aot_compile=False)
     engine = make_engine(tiny_models["llama"], compilation=config)

@@ -12,10 +12,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln import SamplingParams
-from kiln.compilation import CompilationConfig
-from kiln.compilation.plan import RuntimeMode
-from kiln.config import CacheConfig, EngineConfig, SchedulerConfig
-from kiln.engine import LLMEngine
+from kiln.boot.capture import GraphCapture
+from kiln.config import CompilationConfig
+from kiln.config.engine import CacheConfig, EngineConfig, SchedulerConfig
+from kiln.config.graph_plan import RuntimeMode
+from kiln.engine.llm_engine import LLMEngine
 from tests.helpers import load_benchmark, run_schedule
 
 pytestmark = pytest.mark.cuda
@@ -125,7 +126,7 @@ def test_cuda_graph_mode_equals_eager(tiny_models, eager_reference, graph_mode):
     assert st.graphs["graph_misses"] == 0 and st.graphs["recompilations"] == 0
     assert st.graphs["piecewise_input_copies"] == 0
     if graph_mode != "NONE":
-        assert engine.capture.graphs > 0
+        assert engine.boot.capture.graphs > 0
 
 
 @pytest.mark.parametrize("graph_mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
@@ -154,7 +155,7 @@ def wide_engine(wide_model):
 
 
 def test_cuda_graph_memory_within_ten_percent_of_the_reservation(wide_engine):
-    cap = wide_engine.capture
+    cap = wide_engine.boot.capture
     assert len(wide_engine.plan.mixed_capture_sizes) == 67
     assert cap.graphs > 0 and cap.reserved_bytes > 0
     assert abs(cap.memory_bytes - cap.reserved_bytes) <= 0.1 * cap.reserved_bytes, cap
@@ -165,17 +166,19 @@ def test_cuda_graphs_of_every_size_share_one_pool(wide_model, wide_engine):
     cost the sum of the sizes (32x the largest for these 67); sharing the pool, about 1x plus
     what each graph costs the device. Then the mixed workload, whose steps replay graphs of
     several sizes one after another over the shared memory, still equals eager."""
-    runner, gb = wide_engine.runner, wide_engine.graph_backend
+    runner = wide_engine.runner
+    capture, gb = GraphCapture(runner), runner.graph_backend
+    sizes = capture.sizes(RuntimeMode.PIECEWISE)
 
-    def captured(only_largest: bool) -> int:
+    def captured(run_captures) -> int:
         runner.drop_graphs()
         gb.release()
         before = gb.memory_in_use()
-        runner.capture_graphs(only_largest=only_largest)
+        run_captures()
         return gb.memory_in_use() - before
 
-    largest, ladder = captured(True), captured(False)
-    sizes = runner.capture_sizes(RuntimeMode.PIECEWISE)
+    largest = captured(lambda: capture.capture_size(RuntimeMode.PIECEWISE, max(sizes)))
+    ladder = captured(capture.capture_all)
     unshared = largest * sum(sizes) / max(sizes)
     assert largest > 0 and ladder < unshared / 4, (largest, ladder, unshared)
     eager_config = CompilationConfig(mode=0, cudagraph_mode="NONE")
@@ -201,7 +204,7 @@ def test_cuda_graphs_of_pieces_without_inductor_equal_eager(
         backend=piece_backend,
     )
     engine = _engine(tiny_models["llama"], "float32", config, kv=PREEMPTING, max_model_len=128)
-    assert engine.plan.backend == piece_backend and engine.capture.graphs > 0
+    assert engine.plan.backend == piece_backend and engine.boot.capture.graphs > 0
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, ref, ref_logits)
     st = engine.stats().graphs

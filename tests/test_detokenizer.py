@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kiln.detokenizer import IncrementalDetokenizer
+from kiln.engine.detokenizer import IncrementalDetokenizer
 
 TEXTS = [
     "Plain ASCII text, with punctuation!",

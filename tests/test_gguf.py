@@ -109,12 +109,12 @@ def test_gguf_model_logits_match_hf(tiny_models, tmp_path):
     model = build_model(src.config, TorchPagedAttentionBackend())
     load_weights(model, src.tensors(torch.float32))
     model.finalize(torch.device("cpu"))
-    engine.runner.model = model
+    engine.runner.model, engine.runner.forward = model, model.forward  # mode 0: eager
     engine.runner.allocate_kv_cache(engine.blocks.num_blocks, torch.float32)
     ids = [5, 17, 300, 4000, 12, 9]
     engine.add_request("g", ids, __import__("kiln").SamplingParams(temperature=0, max_tokens=1))
     rows = []
-    engine.logits_observer = lambda seqs, logits: rows.append(logits[0].clone())
+    engine.runner.logits_observer = lambda seqs, logits: rows.append(logits[0].clone())
     while engine.has_unfinished_requests():
         engine.step()
     with torch.no_grad():

@@ -74,9 +74,9 @@ def test_gpu_configs_run_each_batch_in_the_graph_the_default_ladder_would(graph_
     measures must still run in a graph of its own size and mode, as under the full ladder, and
     the prefill above both ladders."""
     from kiln.attention.backend import GraphSupport
-    from kiln.compilation.config import CompilationConfig
-    from kiln.compilation.dispatcher import describe, dispatch
-    from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+    from kiln.config.compilation import CompilationConfig
+    from kiln.config.graph_plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+    from kiln.cudagraphs.dispatcher import describe, dispatch
 
     batches = [1, 8, 32, 128]
     attention = AttentionCaps("triton", GraphSupport.ALWAYS, ("kiln::triton_paged_attention",))

@@ -1,4 +1,4 @@
-"""The graph plan: the field report's rules row by row, properties over every combination of
+"""The graph plan: the design's rules row by row, properties over every combination of
 requested mode x compilation mode x device x backend support x uniform token count, one
 WARNING per change naming the remedy, and strict mode refusing instead."""
 
@@ -12,17 +12,12 @@ import pytest
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from kiln.attention.backend import GraphSupport
-from kiln.compilation import (
-    AttentionCaps,
-    CompilationConfig,
-    CUDAGraphMode,
-    DeviceCaps,
-    RuntimeMode,
-    resolve_graph_plan,
-)
-from kiln.compilation.dispatcher import BatchDescriptor, describe, dispatch
-from kiln.compilation.plan_table import log_plan
-from kiln.compilation.vllm_fields import VLLM_ONLY
+from kiln.config.compilation import CompilationConfig
+from kiln.config.compilation_values import CUDAGraphMode
+from kiln.config.graph_plan import AttentionCaps, DeviceCaps, RuntimeMode, resolve_graph_plan
+from kiln.config.plan_table import log_plan, plan_table
+from kiln.config.vllm_fields import VLLM_ONLY
+from kiln.cudagraphs.dispatcher import BatchDescriptor, describe, dispatch
 from kiln.errors import ConfigError
 
 M = CUDAGraphMode
@@ -48,7 +43,7 @@ def plan(graph, mode=3, device=CUDA, support=S.UNIFORM_BATCH, q=1, strict=False,
 @pytest.mark.parametrize(
     "graph,mode,device,support,q,expected",
     [
-        # the field report's first failure: PIECEWISE under mode 0 was silently NONE
+        # the classic silent fallback: PIECEWISE under mode 0 became NONE at INFO level
         (M.PIECEWISE, 0, CUDA, S.ALWAYS, 1, M.NONE),
         # ... and F&P under mode 0 keeps its FULL decode graphs
         (M.FULL_AND_PIECEWISE, 0, CUDA, S.UNIFORM_BATCH, 1, M.FULL_DECODE_ONLY),
@@ -173,7 +168,7 @@ def test_enforce_eager_and_splitting_ops():
 def test_default_splitting_follows_the_piecewise_graphs(graph, device, support, splits):
     p = plan(graph, device=device, support=support)
     assert p.splitting_ops == splits
-    assert ("one Inductor graph" in p.table()) == (not splits)
+    assert ("one Inductor graph" in plan_table(p)) == (not splits)
     explicit = plan(graph, device=device, support=support, splitting_ops=OPS)
     assert explicit.splitting_ops == OPS  # asked for, kept
 
@@ -181,7 +176,7 @@ def test_default_splitting_follows_the_piecewise_graphs(graph, device, support, 
 def test_splitting_ops_in_vllm_spelling_and_unknown_ops(tiny_models):
     """vLLM's "namespace.op" spelling means the same op; a name that is no registered op is an
     error naming kiln's attention ops, not a split that silently never happens."""
-    from kiln.compilation.backend import check_splitting_ops
+    from kiln.compiler.split_backend import check_splitting_ops
     from tests.helpers import make_engine
 
     dotted = CompilationConfig(splitting_ops=["kiln.torch_paged_attention"])
@@ -272,7 +267,7 @@ def test_an_inductor_option_the_cache_key_cannot_name_is_refused():
     p = plan(M.NONE, inductor_compile_config={"post_grad_custom_post_pass": Versioned(b"\x01")})
     shown = f"{__name__}.{Versioned.__qualname__}(uuid=b'\\x01')"
     assert p.to_dict()["inductor_compile_config"] == {"post_grad_custom_post_pass": shown}
-    assert f"post_grad_custom_post_pass={shown!r}" in p.table()
+    assert f"post_grad_custom_post_pass={shown!r}" in plan_table(p)
     assert json.loads(json.dumps(p.to_dict()))["requested"]["inductor_compile_config"] == {
         "post_grad_custom_post_pass": shown
     }
@@ -288,7 +283,7 @@ def test_compiler_settings_resolve_and_unused_ones_are_told(caplog):
         tuple(sorted(options.items())),
         (),
     )
-    assert "size_asserts=False" in p.table()
+    assert "size_asserts=False" in plan_table(p)
     assert p.to_dict()["inductor_compile_config"] == options
     assert plan(M.PIECEWISE, backend="EAGER").backend == "eager"
     # one graph by default where nothing replays pieces, but not under aot_eager, which would

@@ -13,17 +13,12 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.compilation import CompilationConfig
-from kiln.compilation.capture import GraphMemoryEstimate, fit_ladder
-from kiln.compilation.graphs import (
-    EmulatedGraphBackend,
-    FullGraphs,
-    GraphBackend,
-    PiecewiseGraphs,
-    RuntimeState,
-    unowned,
-)
-from kiln.compilation.plan import RuntimeMode
+from kiln.boot.capture import GraphMemoryEstimate, fit_ladder
+from kiln.config import CompilationConfig
+from kiln.config.graph_plan import RuntimeMode
+from kiln.cudagraphs.full import FullGraphs
+from kiln.cudagraphs.graph_backend import EmulatedGraphBackend, GraphBackend, unowned
+from kiln.cudagraphs.piecewise import PiecewiseGraphs, RuntimeState
 from kiln.errors import ConfigError
 from tests.helpers import make_engine, run_schedule
 
@@ -97,7 +92,7 @@ def _assert_equals_reference(finals, logits, reference) -> None:
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), MODES)
 def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, backend, ran):
     engine = _engine(tiny_models["llama"], graph_mode, mode, backend, kv=PREEMPTING)
-    assert engine.capture.graphs > 0
+    assert engine.boot.capture.graphs > 0
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, references[backend])
     assert finals["5"].num_cached_tokens > 0  # prefix hits went through the graphs
@@ -116,7 +111,7 @@ def test_piecewise_graphs_of_uncompiled_pieces_equal_eager(tiny_models, referenc
     tells an Inductor problem from a graph or split problem under PIECEWISE."""
     llama = tiny_models["llama"]
     engine = _engine(llama, "PIECEWISE", 3, "torch", kv=PREEMPTING, piece_backend="eager")
-    assert engine.capture.graphs > 0 and engine.plan.backend == "eager"
+    assert engine.boot.capture.graphs > 0 and engine.plan.backend == "eager"
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, references["torch"])
     st = engine.stats().graphs
@@ -174,10 +169,10 @@ def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, reference
         attention_backend="torch",
         graph_backend=EmulatedGraphBackend(measures_memory=True),
     )
-    assert engine.graphs.estimate is not None  # the measurement ran, on two blocks
+    assert engine.boot.capture.measured  # the measurement ran, on two blocks
     assert engine.runner.kv_caches[0][0].shape[0] > 2
     # it captured the whole ladder, as the real capture did after it
-    assert engine.graph_backend.captures == 2 * engine.capture.graphs
+    assert engine.runner.graph_backend.captures == 2 * engine.boot.capture.graphs
     assert engine.runner.compile_backend.stats.compilations == 1
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, references["torch"])
@@ -279,7 +274,7 @@ def test_piecewise_graphs_hold_their_outputs_unowned():
 
 def _plan(sizes):
     from kiln.attention.backend import GraphSupport
-    from kiln.compilation.plan import AttentionCaps, DeviceCaps, resolve_graph_plan
+    from kiln.config.graph_plan import AttentionCaps, DeviceCaps, resolve_graph_plan
 
     return resolve_graph_plan(
         CompilationConfig(

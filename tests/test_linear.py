@@ -53,11 +53,11 @@ def test_a_half_dtype_without_native_kernels_is_warned_about(tiny_models, monkey
     monkeypatch.setattr("kiln.layers.linear.onednn_runs", lambda dtype: dtype == torch.float32)
     message = slow_cpu_dtype(torch.bfloat16)
     assert "AVX512-BF16" in message and "Remedy: compare with --dtype float32" in message
-    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+    with caplog.at_level(logging.WARNING, logger="kiln.boot"):
         engine = make_engine(tiny_models["llama"], dtype="bfloat16")
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings.count(message) == 1
-    layouts = {m.layout for m in engine.model.modules() if isinstance(m, Linear)}
+    layouts = {m.layout for m in engine.runner.model.modules() if isinstance(m, Linear)}
     assert layouts == {"transposed"}
 
 
@@ -65,6 +65,6 @@ def test_no_warning_where_oneDNN_runs_the_dtype(tiny_models, caplog):
     dtype = next((d for d in (torch.bfloat16, torch.float16) if onednn_runs(d)), None)
     if dtype is None:
         pytest.skip("this CPU has no native half-precision oneDNN kernels")
-    with caplog.at_level(logging.WARNING, logger="kiln.engine"):
+    with caplog.at_level(logging.WARNING, logger="kiln.boot"):
         make_engine(tiny_models["llama"], dtype=str(dtype).removeprefix("torch."))
     assert not [r for r in caplog.records if "oneDNN" in r.getMessage()]

@@ -1,4 +1,4 @@
-"""Dynamo's saved trace (kiln/compilation/precompile.py): the first compiled boot of a
+"""Dynamo's saved trace (kiln/compiler/precompile.py): the first compiled boot of a
 configuration traces the forward and saves the trace in its compile cache entry, later boots
 load it instead of tracing, with eager's outputs; another block size gets a trace of its own; a
 loaded guard that fails falls back to Dynamo as a counted recompilation; an unreadable trace is
@@ -13,8 +13,8 @@ import re
 import pytest
 import torch
 
-from kiln.compilation import CompilationConfig
-from kiln.compilation.backend import CompileStats
+from kiln.compiler.split_backend import CompileStats
+from kiln.config import CompilationConfig
 from kiln.errors import ConfigError
 from tests.helpers import forward_with_int32_positions, make_engine
 from tests.test_compiled import _assert_matches_eager
@@ -41,7 +41,7 @@ def _engine(model, block_size: int = 4, config: CompilationConfig = COMPILED):
 
 
 def _traces(engine) -> list:
-    return sorted((engine.compile_cache.path / "dynamo").glob("forward-*.bin"))
+    return sorted((engine.boot.compile_cache.path / "dynamo").glob("forward-*.bin"))
 
 
 @pytest.fixture(scope="module")
@@ -51,21 +51,21 @@ def first(cache_root, model):
 
 def test_the_first_boot_traces_and_saves_into_its_sealed_entry(first):
     stats = first.runner.compile_backend.stats
-    assert not first.compile_cache.reused
+    assert not first.boot.compile_cache.reused
     assert stats.trace == "traced and saved" and stats.compilations == 1
     (trace,) = _traces(first)
-    manifest = json.loads((first.compile_cache.path / "manifest.json").read_text())
+    manifest = json.loads((first.boot.compile_cache.path / "manifest.json").read_text())
     # a corrupted trace is then a corrupted entry, rebuilt as any other (test_compile_cache)
-    assert str(trace.relative_to(first.compile_cache.path)) in manifest["files"]
+    assert str(trace.relative_to(first.boot.compile_cache.path)) in manifest["files"]
     assert "Dynamo's trace (saved) and the first run" in stats.summary("inductor")
 
 
 def test_a_later_boot_loads_the_trace_with_eager_outputs(first, model):
     second = _engine(model)
     stats = second.runner.compile_backend.stats
-    assert second.compile_cache.reused and _traces(second) == _traces(first)
+    assert second.boot.compile_cache.reused and _traces(second) == _traces(first)
     assert stats.trace == "loaded" and stats.trace_load_s > 0 and stats.compilations == 1
-    assert second.compilation()["dynamo_trace"] == "loaded"
+    assert second.runner.compile_stats()["dynamo_trace"] == "loaded"
     _assert_matches_eager(make_engine(model, block_size=4, max_num_batched_tokens=16), second)
     assert stats.compilations == 1 and stats.recompilations == 0  # every batch size: one trace
     assert "Dynamo's trace loaded and the first run" in stats.summary("inductor")
@@ -75,7 +75,7 @@ def test_another_block_size_gets_a_trace_of_its_own(first, model):
     """The trace specializes on the KV cache's block size and the input buffers' lengths,
     which the entry's key does not cover: such an engine traces and saves its own, beside."""
     other = _engine(model, block_size=8)
-    assert other.compile_cache.path == first.compile_cache.path
+    assert other.boot.compile_cache.path == first.boot.compile_cache.path
     assert other.runner.compile_backend.stats.trace == "traced and saved"
     assert len(_traces(other)) == 2
     again = _engine(model, block_size=8)
@@ -98,8 +98,7 @@ def test_a_failed_guard_of_the_loaded_trace_is_a_counted_recompilation(first, mo
     # passes the loaded guards again (their marks, left on, failed them at every later step)
     runner = engine.runner
     with torch.inference_mode():
-        inputs = runner.prepare(engine.scheduler.schedule())
-        args = (inputs.input_ids, inputs.positions, inputs.meta)
+        args = runner.model_inputs(runner.prepare(engine.scheduler.schedule()).layout)
         assert runner.forward.saved.guard_check(runner.forward.model, *args)
     reference = make_engine(model, block_size=4, max_num_batched_tokens=16)
     _assert_matches_eager(reference, engine)
@@ -116,7 +115,7 @@ def test_a_trace_that_does_not_fit_the_engine_is_refused_by_its_guards(
     between earlier compilations of the forward symbolic, and unguarded)."""
     fp32_trace = first.runner.forward.trace_file
     monkeypatch.setattr(
-        "kiln.compilation.precompile.TraceFile.in_entry",
+        "kiln.compiler.precompile.TraceFile.in_entry",
         classmethod(lambda cls, entry, device, static: fp32_trace),
     )
     kwargs = dict(block_size=4, max_num_batched_tokens=16, dtype="bfloat16")
@@ -162,7 +161,7 @@ def test_a_trace_torch_cannot_save_is_told_and_refused_when_strict(first, model,
     def refuse(self, args):
         raise RuntimeError("CLOSURE_MATCH guard cannot be serialized.")
 
-    monkeypatch.setattr("kiln.compilation.precompile.PrecompiledForward._aot_compile", refuse)
+    monkeypatch.setattr("kiln.compiler.precompile.PrecompiledForward._aot_compile", refuse)
     engine = _engine(model, block_size=2)
     stats = engine.runner.compile_backend.stats
     assert stats.trace_error == "RuntimeError: CLOSURE_MATCH guard cannot be serialized."

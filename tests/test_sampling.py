@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.sampler import SamplingBatch, apply_penalties, filter_logits, sample
+from kiln.runner.sampler import SamplingBatch, apply_penalties, filter_logits, sample
 from tests.helpers import make_engine, run_schedule
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -252,7 +252,7 @@ def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
     """Filtering among the top CANDIDATES logits must keep exactly what sorting the whole
     vocabulary keeps: rows whose nucleus ends inside the candidates take the fast path, the
     others (flat distributions, top_p near 1) fall back to the sort."""
-    from kiln.sampler import CANDIDATES, _filter_candidates, _filter_sorted
+    from kiln.runner.sampler import CANDIDATES, _filter_candidates, _filter_sorted
 
     vocab = 49152
     g = torch.Generator().manual_seed(3)

@@ -92,13 +92,12 @@ def test_token_budget_defaults_per_device(smollm_path):
     """Left out, the step's token budget (the prefill chunk) is 512 on the CPU, where a chunk
     stalls every running decode for as long as it runs, and 2048 on CUDA; given, it is kept."""
     from kiln import LLM
-    from kiln.config import SchedulerConfig
+    from kiln.config.engine import SchedulerConfig
 
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    assert SchedulerConfig().for_device(cpu).max_num_batched_tokens == 512
-    assert SchedulerConfig().for_device(cuda).max_num_batched_tokens == 2048
+    assert SchedulerConfig().for_device("cpu").max_num_batched_tokens == 512
+    assert SchedulerConfig().for_device("cuda").max_num_batched_tokens == 2048
     given = SchedulerConfig(max_num_batched_tokens=96)
-    assert given.for_device(cpu) is given
+    assert given.for_device("cpu") is given
     llm = LLM(kv_cache_memory="96MiB", device="cpu", max_model_len=2048, max_num_seqs=1)
     assert llm.engine.config.scheduler.max_num_batched_tokens == 512
     prompt = {"prompt_token_ids": list(range(5, 1205))}

@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.profiler import profile
 
-from kiln.attention.backend import AttentionMetadata
 from kiln.attention.torch_backend import TorchPagedAttentionBackend, torch_paged_attention
+from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 H, HKV, D, BS = 6, 2, 16, 4
 Q_LENS, FIRSTS = [1, 1, 9, 5], [7, 12, 0, 6]  # two decodes, a fresh and a chunked prefill
@@ -21,23 +21,15 @@ def _inputs(dtype: torch.dtype):
     width = max(-(-(f + n) // BS) for f, n in zip(FIRSTS, Q_LENS))
     perm = torch.randperm(32, generator=g)
     tables = perm[: len(Q_LENS) * width].view(len(Q_LENS), width).to(torch.int32)
-    slots, starts = [], [0]
-    for row, (n, first) in enumerate(zip(Q_LENS, FIRSTS)):
-        slots += [int(tables[row, p // BS]) * BS + p % BS for p in range(first, first + n)]
-        starts.append(starts[-1] + n)
-    t = len(slots)
+    rows = [
+        BatchRow([0] * n, first, tables[row].tolist())
+        for row, (n, first) in enumerate(zip(Q_LENS, FIRSTS))
+    ]
+    t = sum(Q_LENS)
     q, k, v = (torch.randn(t, n, D, generator=g).to(dtype) for n in (H, HKV, HKV))
-    lens = [f + n for f, n in zip(FIRSTS, Q_LENS)]
-    meta = AttentionMetadata(
-        torch.tensor(slots),
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor(lens, dtype=torch.int32),
-        tables,
-        t,
-        2,
-        max(lens),
-    )
-    return cache, q, k, v, TorchPagedAttentionBackend(dtype).build_metadata(meta, BS)
+    layout = InputBuffers(64, 8, width, BS, torch.device("cpu")).fill(rows, num_decodes=2)
+    builder = TorchPagedAttentionBackend(dtype).metadata_builder(64, torch.device("cpu"))
+    return cache, q, k, v, builder.build(layout)
 
 
 def _run(cache, q, k, v, meta):

@@ -13,11 +13,11 @@ import torch
 
 pytest.importorskip("triton")
 
-from kiln.attention.backend import AttentionMetadata, AttentionShape
+from kiln.attention.backend import AttentionShape
 from kiln.attention.selector import check_triton_runs, select_backend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend, torch_paged_attention
 from kiln.errors import ConfigError
-from kiln.input_buffers import InputBuffers
+from kiln.runner.input_buffers import BatchRow, InputBuffers
 from tests.helpers import load_benchmark, make_engine
 from tests.test_parity import _check, _prompts, _run
 
@@ -40,6 +40,10 @@ def _batch(block_size: int, q_lens: list[int], firsts: list[int], blocks: int):
         starts.append(starts[-1] + n)
     flat = torch.tensor([b for t in tables for b in t], dtype=torch.int32)
     return slots, kv_lens, offsets, starts, tables, flat
+
+
+def _rows(q_lens: list[int], firsts: list[int], tables: list[list[int]]) -> list[BatchRow]:
+    return [BatchRow([0] * n, f, table) for n, f, table in zip(q_lens, firsts, tables)]
 
 
 # two decodes, a fresh prefill and chunked ones: one spans several query blocks of every
@@ -149,17 +153,11 @@ def _check_against_torch_backend(
     out, ours_cache = _triton_attention(
         q, k, v, cache, slots, kv_lens, offsets, flat, starts, 8, pad, segments
     )
-    width = flat.numel() // len(tables)
-    meta = AttentionMetadata(
-        torch.tensor(slots),
-        torch.tensor(starts, dtype=torch.int32),
-        torch.tensor([f + n for f, n in zip(firsts, q_lens)], dtype=torch.int32),
-        flat.view(len(tables), width),
-        t,
-        sum(1 for n in q_lens if n == 1),
-        max(f + n for f, n in zip(firsts, q_lens)),
+    cpu = torch.device("cpu")
+    layout = InputBuffers(t, len(tables), len(tables[0]), block_size, cpu).fill(
+        _rows(q_lens, firsts, tables), sum(1 for n in q_lens if n == 1)
     )
-    meta = TorchPagedAttentionBackend().build_metadata(meta, block_size)
+    meta = TorchPagedAttentionBackend().metadata_builder(t, cpu).build(layout)
     theirs = cache.clone()
     ref = torch.empty(t, h * head_dim, dtype=dtype)
     torch_paged_attention(
@@ -177,20 +175,23 @@ def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
     """The query-start buffer as the runner fills it (the batch's offsets, then its token count)
     and pads it for a graph (the graph's size past the last request): the padded launch writes
     every row, zeros for padding, and the real rows as the launch without padding does."""
-    from kiln.attention.triton_backend import segment_workspace, triton_paged_attention
+    from kiln.attention.triton_backend import TritonPagedAttentionBackend
 
     q_lens, firsts = BATCH
-    slots, kv_lens, offsets, starts, _, flat = _batch(16, q_lens, firsts, 32)
+    slots, kv_lens, offsets, starts, tables, flat = _batch(16, q_lens, firsts, 32)
     t, size, max_seqs = len(slots), len(slots) + 5, 8
-    b = InputBuffers(64, max_seqs, 8, DEVICE)
-    assert b.fill_query_starts(starts).tolist() == starts
+    b = InputBuffers(64, max_seqs, 8, 16, DEVICE)
+    layout = b.fill(_rows(q_lens, firsts, tables), num_decodes=2)
+    assert layout.query_start_loc.tolist() == starts
     assert b.query_start_loc.tolist() == starts + [t] * (max_seqs + 2 - len(starts))
-    for buffer, values in [
-        (b.slot_mapping, slots), (b.token_kv_lens, kv_lens), (b.token_table_offsets, offsets)
-    ]:  # fmt: skip
-        b.fill(buffer, values)
-    b.pad(t, size, len(starts) - 1)
+    padded = b.pad(layout, size)
     assert b.query_start_loc.tolist() == starts + [size] * (max_seqs + 2 - len(starts))
+    backend = TritonPagedAttentionBackend(AttentionShape(4, 2, 16), SPLIT_PROGRAMS)
+    meta = backend.metadata_builder(64, DEVICE).build(padded)
+    # the builder's per-token views, against the batch laid out by hand
+    assert meta.slot_mapping.tolist() == slots + [-1] * 5
+    assert meta.token_kv_lens.tolist() == kv_lens + [0] * 5
+    assert meta.token_table_offsets.tolist() == offsets + [0] * 5
     g = torch.Generator().manual_seed(1)
     cache = torch.randn(2, 32, 16, 2, 16, generator=g).to(DEVICE)
     q, k, v = (torch.randn(size, n, 16, generator=g).to(DEVICE) for n in (4, 2, 2))
@@ -199,11 +200,7 @@ def test_padding_rows_of_the_runners_buffers_form_their_own_sequence():
         q[:t], k[:t], v[:t], cache.clone(), slots, kv_lens, offsets, flat, starts, max_seqs, 0
     )[0]
     out = torch.full((size, 64), float("nan"), device=DEVICE)
-    triton_paged_attention(
-        q, k, v, cache[0], cache[1], out, b.slot_mapping[:size], b.token_kv_lens[:size],
-        b.token_table_offsets[:size], flat.to(DEVICE), b.query_start_loc,
-        *segment_workspace(4, 2, 16, SPLIT_PROGRAMS, DEVICE), SPLIT_PROGRAMS, 0.25,
-    )  # fmt: skip
+    backend.forward(q, k, v, cache[0], cache[1], out, meta, 0.25)
     torch.testing.assert_close(out[:t].cpu(), unpadded, rtol=0, atol=0)
     assert out[t:].abs().max() == 0
 
@@ -228,7 +225,7 @@ def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
         max_num_batched_tokens=24,
         attention_backend="triton",
     )
-    assert engine.attn_backend.name == "triton_paged"
+    assert engine.boot.attention_backend == "triton_paged"
     prompts = _prompts()
     finals, logits = _run(engine, prompts)
     _check(hf_models[name], prompts, finals, logits)

@@ -1,22 +1,16 @@
-"""The attention backend interface: metadata every backend reads, and the CUDA-graph support
-level each backend declares (the graph plan resolves from it)."""
+"""The attention backend interface: the batch layout every backend builds its metadata from,
+the metadata builder, and the CUDA-graph support level each backend declares (the graph plan
+resolves from it)."""
 
 from __future__ import annotations
 
-import enum
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-
-class GraphSupport(enum.Enum):
-    """How much of a step a backend can run inside one captured CUDA graph."""
-
-    ALWAYS = "always"  # any batch, mixed prefill and decode included
-    UNIFORM_BATCH = "uniform_batch"  # batches where every request has the same query length
-    UNIFORM_SINGLE_TOKEN_DECODE = "uniform_single_token_decode"  # pure 1-token decode only
-    NEVER = "never"  # must run eagerly (a splitting op)
+from kiln.config.graph_plan import GraphSupport
 
 
 @dataclass(frozen=True)
@@ -29,26 +23,55 @@ class AttentionShape:
 
 
 @dataclass
-class AttentionMetadata:
-    """One step's batch layout. Requests are ordered decodes first (query length 1), then
-    prefill chunks. Token rows past `num_actual_tokens` are padding: they write no KV slot."""
+class BatchLayout:
+    """One step's batch as the model runner lays it out: the one description every backend
+    builds its own metadata from. Requests are ordered decodes first (query length 1), then
+    prefill chunks. Token rows in [num_actual_tokens, num_tokens) are padding up to a graph's
+    size: they write no KV slot and see no key. Each tensor is the head of a persistent,
+    contiguous buffer, or (the `_buffer` fields) the whole buffer, which a graph reads at a
+    fixed address whatever the batch."""
 
+    positions: torch.Tensor  # [T] int64 (0 for padding)
     slot_mapping: torch.Tensor  # [T] int64, KV slot of each token (-1 for padding)
     query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each request's tokens
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
-    block_tables: torch.Tensor  # [B, max_blocks] int32
+    block_tables: torch.Tensor  # [B, W] int32, a view of block_tables_buffer
     num_actual_tokens: int
     num_decodes: int
     max_seq_len: int
-    # Per-token views for backends that must not depend on the number of requests (a FULL
-    # CUDA graph replays one token count for any mix of requests): keys each token sees
-    # (position + 1; 0 for padding) and where its block-table row starts in the flat buffer.
-    token_kv_lens: torch.Tensor | None = None  # [T] int32
-    token_table_offsets: torch.Tensor | None = None  # [T] int32
-    block_tables_flat: torch.Tensor | None = None  # the whole persistent block-table buffer
-    # The whole persistent query-start buffer [max_seqs + 2]: the requests' offsets, then the
-    # (padded) token count in every later entry, so padding rows form one last sequence.
-    query_start_loc_padded: torch.Tensor | None = None
+    block_size: int
+    # [max_seqs + 2]: the requests' offsets, then T in every later entry, so that padding rows
+    # form one last sequence
+    query_start_loc_buffer: torch.Tensor
+    block_tables_buffer: torch.Tensor  # [max_seqs * max_blocks_per_seq], rows of width W
+
+    @property
+    def num_tokens(self) -> int:
+        return self.positions.shape[0]
+
+    @property
+    def num_reqs(self) -> int:
+        return self.seq_lens.shape[0]
+
+
+class AttentionMetadata:
+    """A backend's metadata for one step, built once and read by every attention layer. The
+    model passes it through untouched; Dynamo traces it as an input of the compiled forward."""
+
+    # field name -> the dimensions that change from step to step (marked dynamic for Dynamo,
+    # so one compilation serves every batch)
+    dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {}
+
+    def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        return [(getattr(self, name), dims) for name, dims in self.dynamic_dims.items()]
+
+
+class MetadataBuilder(ABC):
+    """Turns a BatchLayout into a backend's metadata, once per step. Whatever a captured graph
+    reads lives in persistent buffers the builder allocates once, before any capture."""
+
+    @abstractmethod
+    def build(self, layout: BatchLayout) -> AttentionMetadata: ...
 
 
 class AttentionBackend(ABC):
@@ -56,9 +79,9 @@ class AttentionBackend(ABC):
     graph_support: GraphSupport
     splitting_ops: tuple[str, ...] = ()  # the registered ops a compiled graph splits at
 
-    def build_metadata(self, meta: AttentionMetadata, block_size: int) -> AttentionMetadata:
-        """Once per step: add what this backend precomputes for every layer."""
-        return meta
+    @abstractmethod
+    def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
+        """The builder for a runner whose steps hold at most `max_num_tokens` tokens."""
 
     @abstractmethod
     def forward(
@@ -73,6 +96,6 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> None:
         """q: [T, H, D], k/v: [T, Hkv, D], caches: [num_blocks, block_size, Hkv, D].
-        Writes k/v into the cache at meta.slot_mapping and the attention output into `out`
-        [T, H * D], which the caller allocates: inside a compiled piece, so a PIECEWISE graph
-        owns it and the next piece reads it where the op wrote it (nothing to copy)."""
+        Writes k/v into the cache at the metadata's slot mapping and the attention output into
+        `out` [T, H * D], which the caller allocates: inside a compiled piece, so a PIECEWISE
+        graph owns it and the next piece reads it where the op wrote it (nothing to copy)."""

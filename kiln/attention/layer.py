@@ -35,8 +35,8 @@ class Attention(nn.Module):
         # op fills and the next piece's graph reads (a fresh output from the op would have to
         # be copied to the captured address in every layer of every replay).
         out = q.new_empty(q.shape[0], self.num_heads * self.head_dim)
-        # Contiguous by construction: these cross the split boundary of the compiled mode, and a
-        # strided view there is what crashed the field report's capture.
+        # Contiguous by construction: these cross the split boundary of the compiled mode, where
+        # Inductor specializes on the strides it traced, and a strided view fails capture.
         self.backend.forward(
             q.contiguous(),
             k.contiguous(),

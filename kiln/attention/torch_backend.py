@@ -9,11 +9,18 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, GraphSupport
+from kiln.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    GraphSupport,
+    MetadataBuilder,
+)
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -140,25 +147,35 @@ torch.library.register_fake("kiln::torch_paged_attention", _fake, lib=_LIB)
 
 @dataclass
 class TorchPagedMetadata(AttentionMetadata):
-    decode_slots: torch.Tensor | None = None  # [num_decodes * max_decode_len] int64
-    decode_bias: torch.Tensor | None = None  # [num_decodes * max_decode_len] 0 or -inf, model dtype
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, W] int32
+    decode_slots: torch.Tensor  # [num_decodes * max_decode_len] int64
+    decode_bias: torch.Tensor  # [num_decodes * max_decode_len] 0 or -inf, in the model's dtype
+
+    dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {
+        "slot_mapping": (0,),
+        "query_start_loc": (0,),
+        "seq_lens": (0,),
+        "block_tables": (0, 1),
+        "decode_slots": (0,),
+        "decode_bias": (0,),
+    }
 
 
-class TorchPagedAttentionBackend(AttentionBackend):
-    name = "torch_paged"
-    graph_support = GraphSupport.NEVER
-    splitting_ops = ("kiln::torch_paged_attention",)
+class TorchPagedMetadataBuilder(MetadataBuilder):
+    """The decode rows' KV slots and padding mask, computed once per step rather than in every
+    layer; the bias in the model's dtype, not converted to it in every layer."""
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
-        # the model's dtype: the decode mask is built in it once per step rather than
-        # converted to it in every layer
+    def __init__(self, dtype: torch.dtype) -> None:
         self.dtype = dtype
 
-    def build_metadata(self, meta: AttentionMetadata, block_size: int) -> TorchPagedMetadata:
-        n = meta.num_decodes
-        lens = meta.seq_lens[:n]
+    def build(self, layout: BatchLayout) -> TorchPagedMetadata:
+        n = layout.num_decodes
+        lens = layout.seq_lens[:n]
         width = int(lens.max()) if n else 0
-        slots = _slots(meta.block_tables[:n], width, block_size)
+        slots = _slots(layout.block_tables[:n], width, layout.block_size)
         pos = torch.arange(width, device=lens.device)
         beyond = pos[None, :] >= lens[:, None]
         bias = torch.zeros(n, width, dtype=self.dtype, device=lens.device)
@@ -167,8 +184,25 @@ class TorchPagedAttentionBackend(AttentionBackend):
         # memory may hold NaN, and NaN * 0 would leak through the softmax.
         slots = torch.where(beyond, slots[:, :1], slots)
         return TorchPagedMetadata(
-            **vars(meta), decode_slots=slots.reshape(-1), decode_bias=bias.reshape(-1)
+            slot_mapping=layout.slot_mapping,
+            query_start_loc=layout.query_start_loc,
+            seq_lens=layout.seq_lens,
+            block_tables=layout.block_tables,
+            decode_slots=slots.reshape(-1),
+            decode_bias=bias.reshape(-1),
         )
+
+
+class TorchPagedAttentionBackend(AttentionBackend):
+    name = "torch_paged"
+    graph_support = GraphSupport.NEVER
+    splitting_ops = ("kiln::torch_paged_attention",)
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        self.dtype = dtype  # the model's
+
+    def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
+        return TorchPagedMetadataBuilder(self.dtype)
 
     def forward(
         self,

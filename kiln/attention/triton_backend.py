@@ -6,6 +6,7 @@ triton_kernel.py."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import triton.language as tl
@@ -15,7 +16,9 @@ from kiln.attention.backend import (
     AttentionBackend,
     AttentionMetadata,
     AttentionShape,
+    BatchLayout,
     GraphSupport,
+    MetadataBuilder,
 )
 from kiln.attention.triton_kernel import paged_attention_kernel
 
@@ -191,9 +194,60 @@ torch.library.register_fake("kiln::triton_paged_attention", _fake, lib=_LIB)
 
 @dataclass
 class TritonPagedMetadata(AttentionMetadata):
-    segment_scratch: torch.Tensor | None = None  # split-KV softmax states, float32
-    segment_tickets: torch.Tensor | None = None  # int32, zeros between launches
-    split_programs: int = 1  # how many programs a split launch aims at on this device
+    """Per-token views, so that a launch depends on the token count only and a FULL graph
+    replays one token count for any mix of requests: the keys each token sees (position + 1;
+    0 for padding) and where its block-table row starts in the flat buffer."""
+
+    slot_mapping: torch.Tensor  # [T] int64
+    token_kv_lens: torch.Tensor  # [T] int32
+    token_table_offsets: torch.Tensor  # [T] int32
+    block_tables_buffer: torch.Tensor  # the runner's whole flat block-table buffer
+    query_start_loc_buffer: torch.Tensor  # the runner's whole query-start buffer
+    segment_scratch: torch.Tensor  # split-KV softmax states, float32
+    segment_tickets: torch.Tensor  # int32, zeros between launches
+    split_programs: int  # how many programs a split launch aims at on this device
+
+    dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {
+        "slot_mapping": (0,),
+        "token_kv_lens": (0,),
+        "token_table_offsets": (0,),
+    }
+
+
+class TritonPagedMetadataBuilder(MetadataBuilder):
+    """Owns the per-token buffers and the split-KV workspace: allocated once, before any graph
+    is captured (a graph reads them at fixed addresses), the workspace shared by every layer
+    (one launch at a time)."""
+
+    def __init__(
+        self, shape: AttentionShape, max_num_tokens: int, device: torch.device, split: int
+    ) -> None:
+        self.token_kv_lens = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        self.token_table_offsets = torch.zeros(max_num_tokens, dtype=torch.int32, device=device)
+        s = shape
+        self.split_programs = split
+        self.workspace = segment_workspace(s.num_heads, s.num_kv_heads, s.head_dim, split, device)
+
+    def build(self, layout: BatchLayout) -> TritonPagedMetadata:
+        t, n = layout.num_tokens, layout.num_actual_tokens
+        kv_lens, offsets = self.token_kv_lens[:t], self.token_table_offsets[:t]
+        torch.add(layout.positions[:n], 1, out=kv_lens[:n])
+        kv_lens[n:] = 0
+        rows = torch.arange(layout.num_reqs, dtype=torch.int32, device=kv_lens.device)
+        width = layout.block_tables.shape[1] if layout.num_reqs else 0
+        query_lens = layout.query_start_loc.diff()
+        offsets[:n] = torch.repeat_interleave(rows * width, query_lens, output_size=n)
+        offsets[n:] = 0
+        return TritonPagedMetadata(
+            slot_mapping=layout.slot_mapping,
+            token_kv_lens=kv_lens,
+            token_table_offsets=offsets,
+            block_tables_buffer=layout.block_tables_buffer,
+            query_start_loc_buffer=layout.query_start_loc_buffer,
+            segment_scratch=self.workspace[0],
+            segment_tickets=self.workspace[1],
+            split_programs=self.split_programs,
+        )
 
 
 class TritonPagedAttentionBackend(AttentionBackend):
@@ -208,20 +262,10 @@ class TritonPagedAttentionBackend(AttentionBackend):
         (`split_programs_for`), which benchmarks and tests override."""
         self.shape = shape
         self.split_programs = split_programs
-        # one per device, allocated at the first step's metadata: before any graph is captured
-        # (a graph reads them at fixed addresses), shared by every layer (one launch at a time)
-        self.workspaces: dict[torch.device, tuple[int, torch.Tensor, torch.Tensor]] = {}
 
-    def build_metadata(self, meta: AttentionMetadata, block_size: int) -> TritonPagedMetadata:
-        device = meta.slot_mapping.device
-        if device not in self.workspaces:
-            s, split = self.shape, self.split_programs or split_programs_for(device)
-            workspace = segment_workspace(s.num_heads, s.num_kv_heads, s.head_dim, split, device)
-            self.workspaces[device] = (split, *workspace)
-        split, scratch, tickets = self.workspaces[device]
-        return TritonPagedMetadata(
-            **vars(meta), segment_scratch=scratch, segment_tickets=tickets, split_programs=split
-        )
+    def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
+        split = self.split_programs or split_programs_for(device)
+        return TritonPagedMetadataBuilder(self.shape, max_num_tokens, device, split)
 
     def forward(
         self,
@@ -231,7 +275,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         out: torch.Tensor,
-        meta: AttentionMetadata,
+        meta: TritonPagedMetadata,
         scale: float,
     ) -> None:
         torch.ops.kiln.triton_paged_attention(
@@ -244,8 +288,8 @@ class TritonPagedAttentionBackend(AttentionBackend):
             meta.slot_mapping,
             meta.token_kv_lens,
             meta.token_table_offsets,
-            meta.block_tables_flat,
-            meta.query_start_loc_padded,
+            meta.block_tables_buffer,
+            meta.query_start_loc_buffer,
             meta.segment_scratch,
             meta.segment_tickets,
             meta.split_programs,

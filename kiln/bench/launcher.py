@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import httpx
 
 from kiln.bench.client import BenchError
+from kiln.default_model import default_model_path
 from kiln.profiles import Profile
 
 
@@ -30,8 +31,6 @@ def kiln_serve_command(profile: Profile, port: int, model: str | None) -> list[s
 def external_command(profile: Profile, port: int, model: str | None) -> list[str]:
     """Fills {python}, {port}, {cpus} and {model} (the model's file; the embedded one by
     default)."""
-    from kiln.loader.default_model import default_model_path
-
     path = model or profile.model or default_model_path()
     values = {
         "python": sys.executable,

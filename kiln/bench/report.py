@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import datetime
+import importlib.metadata
 import json
 import os
 import platform
+import shutil
+import subprocess
 from dataclasses import asdict
 from typing import Any
 
@@ -14,21 +17,38 @@ from kiln.bench.summary import Row, markdown_table, rows_of
 
 
 def machine_info() -> dict[str, Any]:
-    import torch
-
-    from kiln import __version__
-
+    """The machine the benchmark ran on, without importing torch (a client needs none): the
+    installed versions, and the GPUs nvidia-smi lists."""
     info = {
-        "kiln_version": __version__,
+        "kiln_version": _installed("kiln-llm"),
         "python": platform.python_version(),
         "platform": platform.platform(),
         "processor": platform.processor() or platform.machine(),
         "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
+        "torch": _installed("torch"),
     }
-    if torch.cuda.is_available():
-        info["cuda_device"] = torch.cuda.get_device_name(0)
+    gpus = _nvidia_gpus()
+    if gpus:
+        info["cuda_device"] = gpus[0]
     return info
+
+
+def _installed(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _nvidia_gpus() -> list[str]:
+    if shutil.which("nvidia-smi") is None:
+        return []
+    query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+    try:
+        out = subprocess.run(query, capture_output=True, text=True, timeout=10, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [line.strip() for line in out.stdout.splitlines() if line.strip()]
 
 
 def run_to_dict(run: RunResult) -> dict[str, Any]:

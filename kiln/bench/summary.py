@@ -1,5 +1,6 @@
 """Rows of the report: one per (configuration, suite, size, concurrency), medians over the valid
-trials only, and the side-by-side table in the field report's shape."""
+trials only, and the side-by-side table (prompt tokens, prefill and generation tok/s, TTFT,
+validity)."""
 
 from __future__ import annotations
 
@@ -126,7 +127,7 @@ HEADER = (
 
 
 def markdown_table(rows: list[Row], with_deltas: bool = False) -> str:
-    """The field report's table; with deltas, each row's change against the first
+    """The table; with deltas, each row's change against the first
     configuration's row of the same suite, size and concurrency."""
     header, rule = HEADER, "|---|---|---|---|---|---|---|---|---|"
     if with_deltas:

@@ -7,6 +7,7 @@ template's overhead, calibrated once from the server's own `usage` on a 1-token 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -96,12 +97,25 @@ async def _template_overhead(client: OpenAIClient, skeleton: Messages, count_tex
 
 
 def _local_counter(path: str) -> TokenCounter:
-    from kiln.loader import open_model
-
-    tokenizer = open_model(path).load_tokenizer()
+    tokenizer = load_local_tokenizer(path)
 
     async def count(messages: Messages) -> int:
-        text = tokenizer.apply_chat_template(messages)
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return len(tokenizer.encode(text, add_special_tokens=False))
 
     return TokenCounter(f"local tokenizer of {path}", count)
+
+
+def load_local_tokenizer(path: str):
+    """HF transformers' tokenizer of a local HF directory or a GGUF file's metadata. Imported
+    here, only for `--tokenizer`: transformers loads torch, which a benchmark client otherwise
+    never needs."""
+    from transformers import AutoTokenizer
+
+    try:
+        if path.endswith(".gguf"):
+            folder, name = os.path.split(os.path.abspath(path))
+            return AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise BenchError(f"--tokenizer {path!r}: cannot load a tokenizer from it ({exc})") from None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 
-from kiln.compilation.cache import clear_entries, compile_root, list_entries
+from kiln.compile_cache.entry import clear_entries, compile_root, list_entries
 
 
 def _describe(fields: dict) -> str:
@@ -26,7 +26,7 @@ def _describe(fields: dict) -> str:
     )
 
 
-def run_cache(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     if args.action == "clear":
         result = clear_entries(args.key, only_stale=args.stale)
         n = len(result.removed)

@@ -7,11 +7,10 @@ import sys
 
 from kiln.cli.engine_args import engine_kwargs, sampling_params
 from kiln.errors import InvalidRequestError
+from kiln.llm import LLM
 
 
-def run_chat(args: argparse.Namespace) -> int:
-    from kiln.llm import LLM
-
+def run(args: argparse.Namespace) -> int:
     sampling_params(args)  # a bad flag fails before the model loads
     llm = LLM(args.model, **engine_kwargs(args))
     base = [{"role": "system", "content": args.system}] if args.system else []

@@ -12,7 +12,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from kiln.compilation.config import compilation_data
+from kiln.config.compilation import compilation_data
 from kiln.errors import ConfigError
 
 PREFIXES = ("--compilation-config.", "-O.")

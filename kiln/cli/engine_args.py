@@ -1,96 +1,46 @@
-"""Engine options shared by every subcommand, with vLLM's names."""
+"""Flags derived from the options of kiln.config (vLLM's names), and the sampling flags of
+`generate` and `chat`. Light to import: nothing here loads torch."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+from kiln.config.options import Option, engine_options, server_options
 from kiln.sampling_params import SamplingParams
+
+
+def add_option(group: argparse._ArgumentGroup, opt: Option) -> None:
+    """One option as a flag whose default is None: a profile or the config's default fills in
+    what the command line leaves out."""
+    kwargs: dict[str, Any] = {"dest": opt.name, "default": None, "help": opt.help}
+    if opt.is_bool:
+        kwargs["action"] = argparse.BooleanOptionalAction if opt.negatable else "store_true"
+    elif opt.kind in (int, float):
+        kwargs["type"] = opt.kind
+    if opt.choices:
+        kwargs["choices"] = opt.choices
+    group.add_argument(*opt.cli_flags, **kwargs)
 
 
 def add_engine_args(parser: argparse.ArgumentParser, engine_seed: bool = True) -> None:
     """`engine_seed=False` where --seed is the per-request sampling seed (generate, chat)."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--max-model-len", type=int, help="context length (default: the model's)")
-    g.add_argument("--max-num-seqs", type=int, help="sequences per step (default 64)")
-    g.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        help="token budget per step, i.e. the prefill chunk (default 512 on the CPU, 2048 on CUDA)",
-    )
-    g.add_argument("--block-size", type=int, help="tokens per KV block (default 16)")
-    g.add_argument(
-        "--kv-cache-memory", help="KV cache budget, e.g. 2GiB (default: a fraction of free memory)"
-    )
-    g.add_argument(
-        "--kv-cache-memory-fraction",
-        type=float,
-        help="fraction of free memory for the KV cache (default 0.2 CPU, 0.85 CUDA)",
-    )
-    g.add_argument(
-        "--enable-prefix-caching",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reuse KV blocks of shared prompt prefixes (default on)",
-    )
-    g.add_argument("--dtype", help="float32 (default), bfloat16 or float16")
-    g.add_argument("--device", help="auto (default), cpu or cuda[:N]")
-    g.add_argument(
-        "--compilation-config",
-        "-O",
-        help='JSON, e.g. \'{"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}\' '
-        "(vLLM's fields: mode, cudagraph_mode, cudagraph_capture_sizes, "
-        "max_cudagraph_capture_size, splitting_ops, backend (inductor, aot_eager, eager), "
-        "inductor_compile_config, debug_dump_path), or a field per flag as in vLLM: "
-        "-O.mode=3 -O.cudagraph_capture_sizes+=1,2,4 -O.backend=eager",
-    )
-    g.add_argument(
-        "--boot-timeout",
-        type=float,
-        help="seconds each boot phase (load, plan, graph memory, KV cache, warm-up/compile, "
-        "capture) may take before it is reported with its stack and stopped; 0 = no limit "
-        "(default 1800)",
-    )
-    g.add_argument(
-        "--enforce-eager",
-        action="store_true",
-        default=None,
-        help="no torch.compile, no CUDA graphs",
-    )
-    g.add_argument(
-        "--strict-graphs",
-        action="store_true",
-        default=None,
-        help="refuse to start when the graph plan would change the requested config",
-    )
-    g.add_argument(
-        "--attention-backend",
-        choices=["auto", "torch", "triton"],
-        help="auto (default): triton on CUDA (capturable in FULL graphs), torch elsewhere",
-    )
-    if engine_seed:
-        g.add_argument("--seed", type=int, help="engine seed for unseeded sampling (default 0)")
+    group = parser.add_argument_group("engine")
+    for opt in engine_options():
+        if opt.name != "seed" or engine_seed:
+            add_option(group, opt)
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    for opt in server_options():
+        add_option(group, opt)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    keys = (
-        "max_model_len",
-        "max_num_seqs",
-        "max_num_batched_tokens",
-        "block_size",
-        "kv_cache_memory",
-        "kv_cache_memory_fraction",
-        "enable_prefix_caching",
-        "dtype",
-        "device",
-        "seed",
-        "compilation_config",
-        "enforce_eager",
-        "strict_graphs",
-        "attention_backend",
-        "boot_timeout",
-    )
-    return {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
+    """The engine options given on the command line (or by a profile), as keywords."""
+    names = [o.name for o in engine_options()]
+    return {k: getattr(args, k) for k in names if getattr(args, k, None) is not None}
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

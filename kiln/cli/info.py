@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
+from kiln.boot.builder import build_engine
+from kiln.boot.preview import EnginePreview, preview_engine
 from kiln.cli.engine_args import engine_kwargs
+from kiln.compile_cache.entry import CompileCacheEntry, entry_for_plan, is_sealed
+from kiln.config.engine import EngineConfig
+from kiln.config.options import engine_config
+from kiln.config.plan_table import plan_table
+from kiln.cudagraphs.graph_backend import CaptureStats
+from kiln.engine.llm_engine import BootReport, LLMEngine
+from kiln.loader.tokenizer import Tokenizer
+from kiln.models.config import ModelConfig
 
 NOT_COMPILED = "none (mode 0 compiles nothing)"  # the compile cache and torch.compile rows
 
 
-def _model_rows(source, tokenizer) -> list[tuple[str, str]]:
-    m = source.config
+def _model_rows(path: str, m: ModelConfig, tokenizer: Tokenizer) -> list[tuple[str, str]]:
     return [
-        ("model", source.path),
+        ("model", path),
         ("architecture", m.architecture),
         ("parameters", f"{m.num_params / 1e6:.1f} M"),
         ("layers", str(m.num_layers)),
@@ -28,51 +39,45 @@ def _model_rows(source, tokenizer) -> list[tuple[str, str]]:
     ]
 
 
-def _config_rows(config, device, max_model_len: int, backend) -> list[tuple[str, str]]:
+def _config_rows(
+    config: EngineConfig, device: torch.device, max_model_len: int, backend: str, support: str
+) -> list[tuple[str, str]]:
     return [
         ("device / dtype", f"{device} / {config.dtype}"),
         ("max_model_len", str(max_model_len)),
         ("max_num_seqs", str(config.scheduler.max_num_seqs)),
         ("max_num_batched_tokens", str(config.scheduler.max_num_batched_tokens)),
         ("prefix caching", str(config.cache.enable_prefix_caching)),
-        ("attention backend", f"{backend.name} (CUDA graphs: {backend.graph_support.value})"),
+        ("attention backend", f"{backend} (CUDA graphs: {support})"),
     ]
 
 
-def _boot_rows(engine) -> list[tuple[str, str]]:
+def _boot_rows(engine: LLMEngine) -> list[tuple[str, str]]:
     st = engine.stats()
     bs = engine.config.cache.block_size
+    compiled = engine.runner.compile_stats()
     return [
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
-        ("boot", _boot(engine)),
-        ("compile cache", _compile_cache(engine)),
-        ("torch.compile", _compilation(engine)),
-        ("CUDA graphs", _graphs(engine)),
+        ("boot", _boot(engine.boot)),
+        ("compile cache", _compile_cache(engine.boot.compile_cache)),
+        ("torch.compile", compiled["summary"] if compiled else NOT_COMPILED),
+        ("CUDA graphs", _graphs(engine.boot.capture)),
     ]
 
 
-def _boot(engine) -> str:
-    phases = ", ".join(
-        f"{name.replace('_', ' ')} {s:.1f} s" for name, s in engine.boot.durations.items()
-    )
-    return f"{engine.boot_s:.1f} s ({phases})"
+def _boot(boot: BootReport) -> str:
+    phases = ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in boot.phases_s.items())
+    return f"{boot.boot_s:.1f} s ({phases})"
 
 
-def _compile_cache(engine) -> str:
-    entry = engine.compile_cache
+def _compile_cache(entry: CompileCacheEntry | None) -> str:
     if entry is None:
         return NOT_COMPILED
     waited = f", waited {entry.waited_s:.1f} s for another process" if entry.waited_s else ""
     return f"{entry.path} ({'reused' if entry.reused else 'new'}{waited})"
 
 
-def _compilation(engine) -> str:
-    backend = engine.runner.compile_backend
-    return backend.stats.summary(engine.plan.backend) if backend else NOT_COMPILED
-
-
-def _graphs(engine) -> str:
-    st = engine.capture
+def _graphs(st: CaptureStats) -> str:
     if not st.graphs:
         return "none captured"
     return (
@@ -81,9 +86,7 @@ def _graphs(engine) -> str:
     )
 
 
-def _planned_cache(preview) -> str:
-    from kiln.compilation.cache import entry_for_plan, is_sealed
-
+def _planned_cache(preview: EnginePreview) -> str:
     if preview.plan.mode != 3:
         return NOT_COMPILED
     path = entry_for_plan(
@@ -97,33 +100,28 @@ def _planned_cache(preview) -> str:
     )
 
 
-def print_info(args: argparse.Namespace) -> int:
-    from kiln.llm import engine_config
-
+def run(args: argparse.Namespace) -> int:
     config = engine_config(args.model, **engine_kwargs(args))
     if args.plan_only:
-        from kiln.engine_plan import preview_engine
-
         p = preview_engine(config)
-        rows = _model_rows(p.source, p.source.load_tokenizer())
-        rows += _config_rows(p.config, p.device, p.max_model_len, p.attn_backend)
+        rows = _model_rows(p.source.path, p.source.config, p.source.load_tokenizer())
+        rows += _config_rows(p.config, p.device, p.max_model_len,
+                             p.attn_backend.name, p.attn_backend.graph_support.value)  # fmt: skip
         rows += [("compile cache", _planned_cache(p))]
         plan = p.plan
     else:
-        from kiln.engine import LLMEngine
-
-        engine = LLMEngine(config)
-        rows = _model_rows(engine.source, engine.tokenizer)
-        rows += _config_rows(
-            engine.config, engine.device, engine.max_model_len, engine.attn_backend
-        )
+        engine = build_engine(config)
+        boot = engine.boot
+        rows = _model_rows(boot.model_path, engine.model_config, engine.tokenizer)
+        rows += _config_rows(engine.config, boot.device, engine.max_model_len,
+                             boot.attention_backend, boot.attention_graph_support)  # fmt: skip
         rows += _boot_rows(engine)
         plan = engine.plan
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
     print()
-    print(plan.table())
+    print(plan_table(plan))
     if args.plan_only:
         print(
             "(the plan before boot measures graph memory: with a fixed --kv-cache-memory, boot "

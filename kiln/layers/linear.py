@@ -2,12 +2,10 @@
 and overrides `load_weight`, `finalize` and `forward`; models only ever construct `Linear`.
 
 After loading, `finalize` picks the layout the device runs fastest. On the CPU that is oneDNN's
-prepacked weight (the layout Inductor's weight freezing uses), measured faster than BLAS at
-every batch size here: 20 vs 25 ms for one decode token through all 30 layers' weights of the
-embedded model, 28 vs 56 ms for 16 rows, 16 vs 19 ms for a 1,000-token prefill of one matrix
-(docs/performance.md). In bf16 (on CPUs with AVX512-BF16) the prepacked weight streams the 30
-layers in 12 ms against 19 ms for BLAS. Without oneDNN the weight is stored transposed
-([in, out]), which BLAS streams faster than [out, in] for 1-2 rows."""
+prepacked weight (the layout Inductor's weight freezing uses), faster than BLAS at every batch
+size measured, in fp32 and in bf16 on CPUs with AVX512-BF16 (docs/performance.md, "Why the CPU
+kernels are what they are"). Without oneDNN the weight is stored transposed ([in, out]), which
+BLAS streams faster than [out, in] for 1-2 rows."""
 
 import torch
 import torch.nn.functional as F
@@ -115,7 +113,7 @@ def _onednn_linear(
 
 # Under torch.compile the packed product is an opaque op (Inductor's own lowering of
 # mkldnn._linear_pointwise expects frozen weights and static shapes); kiln's backend lowers
-# it to a direct call of the oneDNN op (kiln/compilation/lowerings.py).
+# it to a direct call of the oneDNN op (kiln/compiler/lowerings.py).
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("onednn_linear(Tensor x, Tensor packed, Tensor? bias) -> Tensor")
 _LIB.impl("onednn_linear", _onednn_linear, "CompositeExplicitAutograd")

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from kiln.default_model import default_model_path
 from kiln.errors import ModelLoadError
-from kiln.loader.default_model import default_model_path
 from kiln.loader.gguf import GGUFSource
 from kiln.loader.hf import HFDirectorySource
 from kiln.loader.source import ModelSource

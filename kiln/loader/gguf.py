@@ -15,8 +15,8 @@ import torch
 from kiln.errors import ModelLoadError
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.source import ModelSource
+from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
-from kiln.tokenizer import Tokenizer
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

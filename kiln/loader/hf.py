@@ -12,8 +12,8 @@ from safetensors import safe_open
 
 from kiln.errors import ModelLoadError
 from kiln.loader.source import ModelSource
+from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import model_config_from_hf
-from kiln.tokenizer import Tokenizer
 
 
 class HFDirectorySource(ModelSource):

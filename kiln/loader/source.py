@@ -5,8 +5,8 @@ from collections.abc import Iterator
 
 import torch
 
+from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
-from kiln.tokenizer import Tokenizer
 
 
 class ModelSource(ABC):

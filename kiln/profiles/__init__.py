@@ -16,7 +16,9 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from kiln.errors import ConfigError
+from kiln.config.compilation import CompilationConfig
+from kiln.config.options import engine_options, server_options
+from kiln.errors import ConfigError, KilnError
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -25,29 +27,11 @@ else:  # pragma: no cover - Python 3.10
 
 PROFILE_DIR = os.path.dirname(os.path.abspath(__file__))
 
-# `kiln serve` options a profile may set, with how each becomes a command-line flag.
-SERVE_KEYS: dict[str, type] = {
-    "max_model_len": int,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "block_size": int,
-    "kv_cache_memory": str,
-    "kv_cache_memory_fraction": float,
-    "enable_prefix_caching": bool,
-    "dtype": str,
-    "device": str,
-    "seed": int,
-    "compilation_config": dict,
-    "enforce_eager": bool,
-    "strict_graphs": bool,
-    "attention_backend": str,
-    "boot_timeout": float,
-    "max_waiting_requests": int,
-    "shutdown_timeout": float,
-    "max_body_bytes": int,
-    "served_model_name": str,
-    "host": str,
-}
+
+def serve_keys() -> dict[str, type | tuple[type, ...]]:
+    """The `kiln serve` options a profile may set (the engine's and the server's, less the
+    port and the API key), with the type each takes."""
+    return {o.name: o.kind for o in [*engine_options(), *server_options()] if o.profile}
 
 
 @dataclass(frozen=True)
@@ -76,7 +60,8 @@ class Profile:
         return out
 
     def with_serve(self, name: str, **overrides: Any) -> Profile:
-        return dataclasses.replace(self, name=name, serve={**self.serve, **overrides})
+        serve = _check_serve({**self.serve, **overrides}, self.path)
+        return dataclasses.replace(self, name=name, serve=serve)
 
 
 def shipped_profiles() -> list[str]:
@@ -132,18 +117,31 @@ def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
 
 
 def _check_serve(serve: dict[str, Any], path: str) -> dict[str, Any]:
+    keys = serve_keys()
     for key, value in serve.items():
-        if key not in SERVE_KEYS:
+        if key not in keys:
             raise ConfigError(
-                f"profile {path}: [serve] has unknown option {key!r}; known: {sorted(SERVE_KEYS)}"
+                f"profile {path}: [serve] has unknown option {key!r}; known: {sorted(keys)}"
             )
-        want = SERVE_KEYS[key]
-        ok = isinstance(value, want) or (want is float and isinstance(value, int))
-        if not ok or (want is int and isinstance(value, bool)):
-            raise ConfigError(
-                f"profile {path}: [serve] {key} must be {want.__name__}, got {value!r}"
-            )
+        kinds = keys[key] if isinstance(keys[key], tuple) else (keys[key],)
+        ok = any(_is_a(value, kind) for kind in kinds)
+        if not ok:
+            names = " or ".join(k.__name__ for k in kinds)
+            raise ConfigError(f"profile {path}: [serve] {key} must be {names}, got {value!r}")
+    if "compilation_config" in serve:  # checked now, not when a server boots on it
+        try:
+            CompilationConfig.from_json(serve["compilation_config"])
+        except KilnError as exc:
+            raise ConfigError(f"profile {path}: [serve] compilation_config: {exc}") from None
     return dict(serve)
+
+
+def _is_a(value: Any, kind: type) -> bool:
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, kind)
 
 
 def _probe(raw: dict[str, Any], path: str) -> Probe:

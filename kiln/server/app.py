@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 import kiln
-from kiln.engine import LLMEngine
+from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import InvalidRequestError
 from kiln.server.async_engine import AsyncEngine
 from kiln.server.errors import APIError, add_error_handlers, error_response
@@ -75,32 +75,6 @@ def _check_model(name: str | None, served: str) -> None:
         )
 
 
-def engine_info(core: LLMEngine) -> dict:
-    """`/v1/engine`: what the engine resolved (graph plan, capture, boot) and its live stats."""
-    st = core.stats()
-    return {
-        "model": core.source.path,
-        "model_config": core.model_config.to_dict(),
-        "max_model_len": core.max_model_len,
-        "device": str(core.device),
-        "dtype": core.config.dtype,
-        "scheduler": vars(core.config.scheduler),
-        "cache": vars(core.config.cache),
-        "attention_backend": {
-            "name": core.attn_backend.name,
-            "graph_support": core.attn_backend.graph_support.value,
-        },
-        "graph_plan": core.plan.to_dict(),
-        "compile_cache": core.compile_cache.to_dict() if core.compile_cache else None,
-        "compilation": core.compilation(),
-        "boot": dict(core.boot_phases),
-        "capture": core.capture_stats(),
-        "stats": {**vars(st), "prefix_cache_hit_rate": st.prefix_cache_hit_rate},
-        "num_blocks": st.num_blocks,
-        "num_free_blocks": st.num_free_blocks,
-    }
-
-
 def _add_info_routes(app: FastAPI, core: LLMEngine, served: str, metrics: ServerMetrics) -> None:
     @app.get("/health")
     async def health() -> dict:
@@ -117,7 +91,7 @@ def _add_info_routes(app: FastAPI, core: LLMEngine, served: str, metrics: Server
             "object": "model",
             "created": 0,
             "owned_by": "kiln",
-            "root": core.source.path,
+            "root": core.boot.model_path,
             "parent": None,
             "max_model_len": core.max_model_len,
         }
@@ -125,7 +99,7 @@ def _add_info_routes(app: FastAPI, core: LLMEngine, served: str, metrics: Server
 
     @app.get("/v1/engine")
     async def engine() -> dict:
-        return engine_info(core)
+        return core.describe()
 
     @app.get("/metrics")
     async def prometheus() -> PlainTextResponse:

@@ -19,8 +19,8 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from kiln.boot import interrupt
-from kiln.engine import LLMEngine
+from kiln.boot.phases import interrupt
+from kiln.engine.llm_engine import LLMEngine
 from kiln.errors import KilnError
 from kiln.outputs import RequestOutput
 from kiln.sampling_params import SamplingParams

@@ -1,0 +1,226 @@
+"""Building an engine, phase by phase, each timed and watched (phases.py): load the model,
+resolve the graph plan and the compile cache entry it keys, measure graph memory, size and
+allocate the KV cache beside it, warm up (compiling in mode 3), capture the graphs."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kiln.attention.backend import AttentionBackend
+from kiln.boot.capture import GraphCapture, graph_backend_for
+from kiln.boot.kv_cache import available_memory, size_kv_cache
+from kiln.boot.phases import BootPhases
+from kiln.boot.preview import (
+    for_device,
+    resolve_max_model_len,
+    resolve_plan,
+    select_attention,
+    torch_dtype,
+)
+from kiln.compile_cache.entry import (
+    CompileCacheEntry,
+    check_cache_env,
+    compile_root,
+    open_for_plan,
+)
+from kiln.config.engine import EngineConfig
+from kiln.config.graph_plan import GraphPlan
+from kiln.cudagraphs.graph_backend import GraphBackend
+from kiln.engine.llm_engine import BootReport, LLMEngine
+from kiln.errors import ConfigError
+from kiln.layers.linear import slow_cpu_dtype
+from kiln.loader import ModelSource, open_model
+from kiln.loader.tokenizer import Tokenizer
+from kiln.models import build_model
+from kiln.models.llama import CausalLM
+from kiln.models.weights import load_weights
+from kiln.runner.input_buffers import InputBuffers
+from kiln.runner.model_runner import ModelRunner, Sampling
+from kiln.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+WARM_UP_REQUEST = "__kiln_warmup__"
+
+
+def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None) -> LLMEngine:
+    """`graph_backend`: how graphs are captured; by default CUDA graphs on a GPU and none
+    elsewhere (tests pass the emulator to run the graph paths on the CPU)."""
+    config, device = for_device(config)
+    dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
+    with phases.phase("load_model"):
+        source = open_model(config.model)
+        tokenizer = source.load_tokenizer()
+        attn_backend = select_attention(config, source.config, device)
+        model = load_model(source, attn_backend, config, device)
+    entry: CompileCacheEntry | None = None
+    try:
+        with phases.phase("plan"):
+            max_model_len = resolve_max_model_len(config, source.config)
+            plan = resolve_plan(config, attn_backend, device, graph_backend)
+            entry = open_compile_cache(plan, config, source, device)
+            runner = _runner(model, attn_backend, plan, config, max_model_len, tokenizer, entry,
+                             device)  # fmt: skip
+            runner.attach_graphs(graph_backend_for(plan, device, graph_backend))
+        capture = GraphCapture(runner)
+        with phases.phase("measure_graph_memory"):
+            reserved = capture.measure(dtype)
+        with phases.phase("allocate_kv_cache"):
+            num_blocks = _allocate_kv_cache(config, source, capture, max_model_len, reserved)
+        boot = _report(source, runner, entry)
+        engine = LLMEngine(
+            config, source.config, tokenizer, runner, num_blocks, max_model_len, boot
+        )
+        with phases.phase("warm_up"):  # compiles in mode 3
+            warm_up(engine, runner)
+            _seal(entry, runner)
+        with phases.phase("capture_graphs"):
+            capture.capture()
+    finally:
+        if entry is not None:  # sealed by now, or abandoned by a failed boot
+            entry.release()
+            entry.deactivate()
+    boot.capture, boot.phases_s = capture.stats, dict(phases.durations)
+    boot.boot_s = time.monotonic() - t0
+    logger.info(
+        "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
+        boot.boot_s,
+        ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.durations.items()),
+        source.config.architecture,
+        num_blocks,
+        config.cache.block_size,
+    )
+    return engine
+
+
+def load_model(
+    source: ModelSource, attn_backend: AttentionBackend, config: EngineConfig, device: torch.device
+) -> CausalLM:
+    dtype = torch_dtype(config)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(source.config, attn_backend)
+    finally:
+        torch.set_default_dtype(default_dtype)
+    load_weights(model, source.tensors(dtype))
+    model.finalize(device)
+    warning = slow_cpu_dtype(dtype) if device.type == "cpu" else None
+    if warning:
+        logger.warning(warning)
+    return model.eval()
+
+
+def open_compile_cache(
+    plan: GraphPlan, config: EngineConfig, source: ModelSource, device: torch.device
+) -> CompileCacheEntry | None:
+    """Mode 3's compile cache entry, active (Inductor's and Triton's caches point into it)
+    until boot ends."""
+    if plan.mode != 3:
+        return None
+    check_cache_env(compile_root(), config.strict_graphs)
+    entry = open_for_plan(plan.to_dict(), source.config.to_dict(), config.dtype, device)
+    entry.activate()
+    logger.info(
+        "compile cache %s (%s; waited %.1f s for other processes)",
+        entry.path,
+        "reused" if entry.reused else "new",
+        entry.waited_s,
+    )
+    return entry
+
+
+def _runner(
+    model: CausalLM,
+    attn_backend: AttentionBackend,
+    plan: GraphPlan,
+    config: EngineConfig,
+    max_model_len: int,
+    tokenizer: Tokenizer,
+    entry: CompileCacheEntry | None,
+    device: torch.device,
+) -> ModelRunner:
+    sched, block_size = config.scheduler, config.cache.block_size
+    max_blocks = -(-max_model_len // block_size)
+    buffers = InputBuffers(
+        sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks, block_size, device
+    )
+    sampling = Sampling(model.config.vocab_size, tokenizer.eos_token_ids, config.seed)
+    if entry is None:
+        trace_entry, no_trace = None, "mode 0"
+    elif not config.compilation.aot_compile:
+        trace_entry, no_trace = None, '"aot_compile": false'
+    else:
+        trace_entry, no_trace = entry.path, ""
+    return ModelRunner(model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace)
+
+
+def _allocate_kv_cache(
+    config: EngineConfig,
+    source: ModelSource,
+    capture: GraphCapture,
+    max_model_len: int,
+    graph_reserve: int,
+) -> int:
+    """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
+    capture ladder cut to the memory left instead."""
+    runner, dtype = capture.runner, torch_dtype(config)
+    num_blocks = size_kv_cache(config.cache, source.config, dtype, runner.device, max_model_len,
+                               config.scheduler.max_num_seqs, graph_reserve)  # fmt: skip
+    runner.allocate_kv_cache(num_blocks, dtype)
+    if config.cache.kv_cache_memory is not None:
+        capture.fit_beside_fixed_kv(available_memory(runner.device), config.strict_graphs)
+    return num_blocks
+
+
+def _report(
+    source: ModelSource, runner: ModelRunner, entry: CompileCacheEntry | None
+) -> BootReport:
+    return BootReport(
+        model_path=source.path,
+        device=runner.device,
+        attention_backend=runner.attn_backend.name,
+        attention_graph_support=runner.attn_backend.graph_support.value,
+        compile_cache=entry,
+    )
+
+
+def _seal(entry: CompileCacheEntry | None, runner: ModelRunner) -> None:
+    """What mode 3 compiled at warm-up is complete: the entry is sealed for later boots."""
+    if entry is None:
+        return
+    entry.seal()
+    stats = runner.compile_backend.stats
+    reused = "reused" if entry.reused else "new"
+    logger.info("torch.compile: %s (compile cache %s)", stats.summary(runner.plan.backend), reused)
+
+
+def warm_up(engine: LLMEngine, runner: ModelRunner) -> None:
+    """A prefill step then a decode step, so compilation happens at boot, not on the first
+    request; afterwards every recompilation is counted and warned about."""
+    n = max(1, min(8, engine.max_model_len - 3))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    engine.add_request(WARM_UP_REQUEST, [1] * n, params)
+    engine.step()
+    _check_trace_saved(engine.config, runner)
+    runner.mark_warmed_up()
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.forget_warm_up()
+
+
+def _check_trace_saved(config: EngineConfig, runner: ModelRunner) -> None:
+    """A trace that `aot_compile` could not save changes what later boots do: with
+    --strict-graphs an error, before the compile cache entry is sealed without it."""
+    backend = runner.compile_backend
+    error = backend.stats.trace_error if backend is not None else None
+    if error and config.strict_graphs:
+        raise ConfigError(
+            f'--strict-graphs: "aot_compile" is on, but Dynamo\'s trace of the forward '
+            f"could not be saved ({error}), so every boot would trace it again. Remedy: "
+            'set "aot_compile": false, or drop --strict-graphs'
+        )

@@ -1,0 +1,113 @@
+"""What an engine configuration resolves to on this machine before any weight is loaded: the
+device, the context length, the attention backend and the graph plan. The engine boots on
+them; `kiln info --plan-only` prints them without booting (no weights, no compilation, no
+capture)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, replace
+
+import torch
+
+from kiln.attention.backend import AttentionBackend, AttentionShape
+from kiln.attention.selector import ATTENTION_OPS, select_backend
+from kiln.compiler.split_backend import check_splitting_ops
+from kiln.config.engine import DTYPES, EngineConfig
+from kiln.config.graph_plan import AttentionCaps, DeviceCaps, GraphPlan, resolve_graph_plan
+from kiln.config.plan_table import log_plan
+from kiln.cudagraphs.graph_backend import GraphBackend
+from kiln.errors import ConfigError
+from kiln.loader import ModelSource, open_model
+from kiln.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
+
+
+def torch_dtype(config: EngineConfig) -> torch.dtype:
+    return getattr(torch, DTYPES[config.dtype])
+
+
+def resolve_device(config: EngineConfig) -> torch.device:
+    if config.device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if config.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(
+            "device 'cuda' was requested but torch sees no CUDA GPU; use --device cpu"
+        )
+    return torch.device(config.device)
+
+
+def for_device(config: EngineConfig) -> tuple[EngineConfig, torch.device]:
+    """The device, and the config with its scheduler defaults for that device."""
+    device = resolve_device(config)
+    return replace(config, scheduler=config.scheduler.for_device(device.type)), device
+
+
+def device_caps(device: torch.device, graph_backend: GraphBackend | None = None) -> DeviceCaps:
+    """CUDA devices capture graphs; so does any device given a graph backend (the CPU tests'
+    emulator)."""
+    if device.type == "cuda" or graph_backend is not None:
+        return DeviceCaps(device.type, True)
+    return DeviceCaps.cpu()
+
+
+def select_attention(
+    config: EngineConfig, model: ModelConfig, device: torch.device
+) -> AttentionBackend:
+    shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim)
+    return select_backend(
+        config.attention_backend, device, config.cache.block_size, shape, torch_dtype(config)
+    )
+
+
+def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
+    limit = model.max_position_embeddings
+    asked = config.scheduler.max_model_len
+    if asked is not None and asked > limit:
+        raise ConfigError(
+            f"max_model_len {asked} exceeds the model's context length {limit}; "
+            f"pass --max-model-len {limit} or less"
+        )
+    return asked or limit
+
+
+def resolve_plan(
+    config: EngineConfig,
+    backend: AttentionBackend,
+    device: torch.device,
+    graph_backend: GraphBackend | None,
+) -> GraphPlan:
+    """The graph plan, logged: every change it made is a WARNING (an error when strict)."""
+    check_splitting_ops(config.compilation.splitting_ops or (), ATTENTION_OPS)
+    sched = config.scheduler
+    plan = resolve_graph_plan(
+        config.compilation,
+        device_caps(device, graph_backend),
+        AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops),
+        max_num_batched_tokens=sched.max_num_batched_tokens,
+        max_num_seqs=sched.max_num_seqs,
+        enforce_eager=config.enforce_eager,
+        strict=config.strict_graphs,
+    )
+    log_plan(plan, logger)
+    return plan
+
+
+@dataclass(frozen=True)
+class EnginePreview:
+    config: EngineConfig  # scheduler defaults set for the device
+    device: torch.device
+    source: ModelSource
+    attn_backend: AttentionBackend
+    max_model_len: int
+    plan: GraphPlan  # before boot measures graph memory (a fixed KV budget may cut the ladder)
+
+
+def preview_engine(config: EngineConfig) -> EnginePreview:
+    config, device = for_device(config)
+    source = open_model(config.model)
+    backend = select_attention(config, source.config, device)
+    max_model_len = resolve_max_model_len(config, source.config)
+    plan = resolve_plan(config, backend, device, None)
+    return EnginePreview(config, device, source, backend, max_model_len, plan)

@@ -1,0 +1,211 @@
+"""Engine configuration: small frozen dataclasses, validated once at construction. Each option
+field carries its command-line help (`option`), so the flat option list of the Python API,
+the `kiln` flags and the launcher profiles are all derived from these fields (options.py):
+a new option is added here, once. Nothing here imports torch."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from kiln.config.compilation import CompilationConfig
+from kiln.errors import ConfigError
+
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1e3,
+    "kb": 1e3,
+    "m": 1e6,
+    "mb": 1e6,
+    "g": 1e9,
+    "gb": 1e9,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+    "t": 1e12,
+    "tb": 1e12,
+}
+
+
+def parse_bytes(value: int | float | str) -> int:
+    """Parse '2GiB', '512MB', '1e9' or a number of bytes."""
+    if isinstance(value, (int, float)):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([a-zA-Z]*)\s*", value)
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _SIZE_UNITS:
+        raise ConfigError(f"cannot parse memory size {value!r}; use e.g. '2GiB', '512MB' or bytes")
+    return int(float(match.group(1)) * _SIZE_UNITS[unit])
+
+
+def option(
+    kind: type | tuple[type, ...],
+    help: str,
+    *,
+    negatable: bool = False,
+    profile: bool = True,
+    **cli: Any,
+) -> dict[str, Any]:
+    """A field's metadata as an option: the type a profile or the command line gives (`kind`),
+    its help, whether a launcher profile may set it, and extra argparse settings (`choices`,
+    `flags`). A bool option is a switch, `--[no-]name` when `negatable`."""
+    meta = {"kind": kind, "help": help, "negatable": negatable, "profile": profile, **cli}
+    return {"option": meta}
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    block_size: int = field(default=16, metadata=option(int, "tokens per KV block (default 16)"))
+    # At most one of the two budgets; neither: the device's default fraction of free memory.
+    kv_cache_memory: int | None = field(
+        default=None,
+        metadata=option(
+            (str, int), "KV cache budget, e.g. 2GiB (default: a fraction of free memory)"
+        ),
+    )
+    kv_cache_memory_fraction: float | None = field(
+        default=None,
+        metadata=option(
+            float, "fraction of free memory for the KV cache (default 0.2 CPU, 0.85 CUDA)"
+        ),
+    )
+    enable_prefix_caching: bool = field(
+        default=True,
+        metadata=option(
+            bool, "reuse KV blocks of shared prompt prefixes (default on)", negatable=True
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kv_cache_memory, str):
+            object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ConfigError(f"block_size must be a power of two >= 1, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ConfigError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
+        frac = self.kv_cache_memory_fraction
+        if frac is not None and not 0 < frac <= 1:
+            raise ConfigError(f"kv_cache_memory_fraction must be in (0, 1], got {frac}")
+        if frac is not None and self.kv_cache_memory is not None:
+            raise ConfigError(
+                "both kv_cache_memory and kv_cache_memory_fraction were given; pass one: "
+                "--kv-cache-memory (bytes, e.g. 2GiB) or --kv-cache-memory-fraction"
+            )
+
+
+# The step's token budget when none is given. On the CPU a prefill chunk stalls every running
+# decode for as long as it runs, and smaller chunks also prefilled long prompts faster there
+# (docs/performance.md, "The server under load").
+DEFAULT_BATCHED_TOKENS = {"cpu": 512, "cuda": 2048}
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = field(default=64, metadata=option(int, "sequences per step (default 64)"))
+    max_num_batched_tokens: int | None = field(  # None: DEFAULT_BATCHED_TOKENS for the device
+        default=None,
+        metadata=option(
+            int,
+            "token budget per step, i.e. the prefill chunk (default 512 on the CPU, 2048 on CUDA)",
+        ),
+    )
+    max_model_len: int | None = field(  # None: the model's own context length
+        default=None, metadata=option(int, "context length (default: the model's)")
+    )
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ConfigError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ConfigError(f"max_model_len must be >= 2, got {self.max_model_len}")
+
+    def for_device(self, device_type: str) -> SchedulerConfig:
+        """This config with the device's defaults filled in."""
+        if self.max_num_batched_tokens is not None:
+            return self
+        budget = DEFAULT_BATCHED_TOKENS.get(device_type, DEFAULT_BATCHED_TOKENS["cuda"])
+        return replace(self, max_num_batched_tokens=budget)
+
+
+# the names --dtype takes, each to torch's name of the dtype
+DTYPES = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str | None = None  # None: the embedded default model
+    dtype: str = field(
+        default="float32", metadata=option(str, "float32 (default), bfloat16 or float16")
+    )
+    device: str = field(default="auto", metadata=option(str, "auto (default), cpu or cuda[:N]"))
+    seed: int = field(
+        default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")
+    )
+    tokenizer: str | None = None
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    compilation: CompilationConfig = field(
+        default_factory=CompilationConfig,
+        metadata=option(
+            (dict, str),
+            'JSON, e.g. \'{"mode": 3, "cudagraph_mode": "FULL_AND_PIECEWISE"}\' (vLLM\'s fields: '
+            "mode, cudagraph_mode, cudagraph_capture_sizes, max_cudagraph_capture_size, "
+            "splitting_ops, backend (inductor, aot_eager, eager), inductor_compile_config, "
+            "debug_dump_path), or a field per flag as in vLLM: -O.mode=3 "
+            "-O.cudagraph_capture_sizes+=1,2,4 -O.backend=eager",
+            name="compilation_config",
+            flags=("--compilation-config", "-O"),
+        ),
+    )
+    enforce_eager: bool = field(
+        default=False, metadata=option(bool, "no torch.compile, no CUDA graphs")
+    )
+    strict_graphs: bool = field(  # every change the graph plan would make is an error
+        default=False,
+        metadata=option(
+            bool, "refuse to start when the graph plan would change the requested config"
+        ),
+    )
+    attention_backend: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "auto (default): triton on CUDA (capturable in FULL graphs), torch elsewhere",
+            choices=("auto", "torch", "triton"),
+        ),
+    )
+    boot_timeout: float | None = field(  # seconds per boot phase; None or 0: no limit
+        default=1800.0,
+        metadata=option(
+            float,
+            "seconds each boot phase (load, plan, graph memory, KV cache, warm-up/compile, "
+            "capture) may take before it is reported with its stack and stopped; 0 = no limit "
+            "(default 1800)",
+        ),
+    )
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
+        if self.boot_timeout is not None and self.boot_timeout < 0:
+            raise ConfigError(
+                f"boot_timeout must be >= 0 seconds (0: no limit), got {self.boot_timeout}"
+            )
+        if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
+            raise ConfigError(f"device must be 'auto', 'cpu' or 'cuda[:N]', got {self.device!r}")

@@ -1,0 +1,148 @@
+"""Paged KV-cache blocks: allocation, reference counts and the prefix cache.
+
+Full blocks are hashed by chain (hash of the parent block's hash and this block's token ids).
+A cached block stays reusable after its last user frees it, until the allocator needs it:
+free blocks are evicted least-recently-freed first. Every hit is verified by token ids."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from kiln.engine.sequence import Sequence
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: int | None = None
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class PrefixCacheStats:
+    queried_tokens: int = 0
+    hit_tokens: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # block hash -> block id
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def usage(self) -> float:
+        return 1 - len(self.free) / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def _hash_chain(self, seq: Sequence, num_blocks: int) -> list[int]:
+        bs = self.block_size
+        hashes = seq.block_hashes
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash((parent, tuple(seq.token_ids[i * bs : (i + 1) * bs]))))
+        return hashes[:num_blocks]
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Block ids holding this sequence's longest cached prefix. At least one token is left
+        to compute, since its logits are needed."""
+        if not self.enable_prefix_caching:
+            return []
+        bs = self.block_size
+        hits = []
+        for i, h in enumerate(self._hash_chain(seq, (seq.num_tokens - 1) // bs)):
+            block_id = self.cached.get(h)
+            if block_id is None or self.blocks[block_id].token_ids != tuple(
+                seq.token_ids[i * bs : (i + 1) * bs]
+            ):
+                break
+            hits.append(block_id)
+        return hits
+
+    def can_admit(self, hits: list[int], num_tokens: int) -> bool:
+        """Whether `num_tokens` (cached prefix included) fit, given the prefix hits."""
+        reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
+        return self.blocks_needed(num_tokens) - len(hits) <= len(self.free) - reused_free
+
+    def admit(self, seq: Sequence, hits: list[int], num_tokens: int) -> None:
+        for block_id in hits:
+            block = self.blocks[block_id]
+            if block.ref_count == 0:
+                del self.free[block_id]
+            block.ref_count += 1
+        seq.block_table = list(hits)
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
+        self.stats.queried_tokens += seq.num_tokens
+        self.stats.hit_tokens += seq.num_computed_tokens
+        self._grow(seq, num_tokens)
+
+    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
+        total = seq.num_computed_tokens + num_new_tokens
+        return self.blocks_needed(total) - len(seq.block_table) <= len(self.free)
+
+    def append(self, seq: Sequence, num_new_tokens: int) -> None:
+        self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+            seq.block_table.append(self._take_free_block())
+
+    def _take_free_block(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+            del self.cached[block.block_hash]  # evict
+        block.block_hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Make the sequence's newly completed full blocks findable by later requests."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        if full <= seq.num_hashed_blocks:
+            return
+        hashes = self._hash_chain(seq, full)
+        for i in range(seq.num_hashed_blocks, full):
+            block = self.blocks[seq.block_table[i]]
+            if hashes[i] not in self.cached:
+                block.block_hash = hashes[i]
+                block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+                self.cached[hashes[i]] = block.block_id
+        seq.num_hashed_blocks = full
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block that no sequence holds (and the hit statistics)."""
+        for block_id in self.free:
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
+                del self.cached[block.block_hash]
+            block.block_hash, block.token_ids = None, ()
+        self.stats = PrefixCacheStats()
+
+    def release(self, seq: Sequence) -> None:
+        """Drop the sequence's references. Tail blocks are queued for eviction before the
+        head, which later requests are likelier to share."""
+        for block_id in reversed(seq.block_table):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
+        seq.block_table = []
+        seq.num_hashed_blocks = 0
+        seq.num_computed_tokens = 0

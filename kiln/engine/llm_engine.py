@@ -1,0 +1,237 @@
+"""The engine loop: requests in, one scheduled batch per step, outputs out. The engine owns the
+scheduler, the block manager and the requests; it runs a model through a ModelExecutor that
+kiln.boot built for it (`kiln.build_engine(config)`)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kiln.compile_cache.entry import CompileCacheEntry
+from kiln.config.engine import EngineConfig
+from kiln.config.graph_plan import GraphPlan
+from kiln.cudagraphs.graph_backend import CaptureStats
+from kiln.engine.block_manager import BlockManager
+from kiln.engine.executor import ModelExecutor, SampledTokens
+from kiln.engine.output_processor import OutputProcessor
+from kiln.engine.request import Request, new_sequences, validate_prompt
+from kiln.engine.scheduler import Scheduler
+from kiln.engine.sequence import SequenceCounter
+from kiln.errors import EngineClosedError, InvalidRequestError
+from kiln.loader.tokenizer import Tokenizer
+from kiln.models.config import ModelConfig
+from kiln.outputs import RequestMetrics, RequestOutput
+from kiln.sampling_params import SamplingParams
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_steps: int
+    graphs: dict = field(default_factory=dict)  # runtime-mode step counts, graph misses
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        q = self.prefix_cache_queried_tokens
+        return self.prefix_cache_hit_tokens / q if q else 0.0
+
+
+@dataclass
+class BootReport:
+    """How the engine was built, as the boot measured it: for /v1/engine and `kiln info`."""
+
+    model_path: str
+    device: torch.device
+    attention_backend: str
+    attention_graph_support: str
+    phases_s: dict[str, float] = field(default_factory=dict)  # seconds per boot phase
+    boot_s: float = 0.0
+    compile_cache: CompileCacheEntry | None = None  # the entry mode 3 compiled into or loaded
+    capture: CaptureStats = field(default_factory=CaptureStats)  # graphs, time, memory
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_config: ModelConfig,
+        tokenizer: Tokenizer,
+        runner: ModelExecutor,
+        num_blocks: int,
+        max_model_len: int,
+        boot: BootReport,
+    ) -> None:
+        """Built by kiln.boot.builder.build_engine, which loads the model, sizes the KV cache
+        (`num_blocks`) and hands over the runner."""
+        self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
+        self.runner, self.max_model_len, self.boot = runner, max_model_len, boot
+        cache = config.cache
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.blocks)
+        self.output_processor = OutputProcessor(tokenizer, max_model_len)
+        self.requests: dict[str, Request] = {}
+        self.closed = False
+        self.seq_ids = SequenceCounter()
+        self.num_steps = 0
+
+    @property
+    def plan(self) -> GraphPlan:
+        """The graph plan the runner executes (after boot fitted it to memory)."""
+        return self.runner.plan
+
+    @property
+    def device(self) -> torch.device:
+        return self.boot.device
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> None:
+        params = params or SamplingParams()
+        text, ids = self.prepare_prompt(prompt, params)
+        self.add_prepared(request_id, text, ids, params, arrival_time)
+
+    def prepare_prompt(
+        self, prompt: str | list[int], params: SamplingParams
+    ) -> tuple[str | None, list[int]]:
+        """Tokenize and validate. Touches no engine state, so a server can call it from its
+        request handlers while the engine loop runs."""
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+        validate_prompt(ids, params, self.model_config.vocab_size, self.max_model_len)
+        return text, ids
+
+    def add_prepared(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        arrival_time: float | None = None,
+    ) -> None:
+        if self.closed:
+            raise EngineClosedError("this engine was closed: build a new one to run requests")
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use", "request_id")
+        metrics = RequestMetrics(arrival_time or time.monotonic())
+        seqs = new_sequences(
+            request_id, ids, params, metrics, self.tokenizer.backend, self.device, self.seq_ids
+        )
+        self.requests[request_id] = Request(request_id, text, ids, params, seqs, metrics)
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now and free its KV blocks. Unknown ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.finished:
+                seq.finish_reason = "abort"
+                self.scheduler.finish(seq)
+        return request.output()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def close(self) -> None:
+        """Free the KV cache and the captured graphs now rather than whenever the garbage
+        collector gets to them: an engine built next in this process sizes its KV cache from
+        the device memory left free. Unfinished requests are dropped."""
+        self.closed = True
+        self.requests.clear()
+        self.runner.release_memory()
+        gc.collect()
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        sampled = self.runner.execute(batch)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed_tokens += n
+            self.blocks.register_computed_blocks(seq)
+        self.num_steps += 1
+        self._append(sampled)
+        outputs = []
+        for request_id in dict.fromkeys(s.request_id for s in sampled.seqs):
+            request = self.requests[request_id]
+            outputs.append(request.output())
+            if request.finished:
+                del self.requests[request_id]
+        return outputs
+
+    def _append(self, sampled: SampledTokens) -> None:
+        now = time.monotonic()
+        for row, (seq, token) in enumerate(zip(sampled.seqs, sampled.token_ids)):
+            logprob_row = sampled.logprobs[row] if sampled.logprobs is not None else None
+            if self.output_processor.append(seq, token, logprob_row, now):
+                self.scheduler.finish(seq)
+
+    def forget_warm_up(self) -> None:
+        """After the boot's warm-up requests: an empty prefix cache, no steps counted."""
+        self.blocks.reset_prefix_cache()
+        self.runner.reset_counters()
+        self.num_steps = 0
+
+    # ---- what it reports ------------------------------------------------------------------
+
+    def stats(self) -> EngineStats:
+        b = self.blocks
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=b.num_free_blocks,
+            num_blocks=b.num_blocks,
+            kv_cache_usage=b.usage,
+            num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queried_tokens=b.stats.queried_tokens,
+            prefix_cache_hit_tokens=b.stats.hit_tokens,
+            num_steps=self.num_steps,
+            graphs=self.runner.graph_stats(),
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """What the engine resolved (graph plan, compilation, capture, boot) and its live
+        stats: `/v1/engine`."""
+        st, boot = self.stats(), self.boot
+        return {
+            "model": boot.model_path,
+            "model_config": self.model_config.to_dict(),
+            "max_model_len": self.max_model_len,
+            "device": str(boot.device),
+            "dtype": self.config.dtype,
+            "scheduler": vars(self.config.scheduler),
+            "cache": vars(self.config.cache),
+            "attention_backend": {
+                "name": boot.attention_backend,
+                "graph_support": boot.attention_graph_support,
+            },
+            "graph_plan": self.plan.to_dict(),
+            "compile_cache": boot.compile_cache.to_dict() if boot.compile_cache else None,
+            "compilation": self.runner.compile_stats(),
+            "boot": {**{f"{k}_s": v for k, v in boot.phases_s.items()}, "boot_s": boot.boot_s},
+            "capture": boot.capture.to_dict(),
+            "stats": {**vars(st), "prefix_cache_hit_rate": st.prefix_cache_hit_rate},
+            "num_blocks": st.num_blocks,
+            "num_free_blocks": st.num_free_blocks,
+        }

@@ -1,0 +1,122 @@
+"""The model runner's persistent input buffers. Each is its own contiguous tensor, sized for the
+largest step; a step writes into the head of each and hands out views of that head, which are
+contiguous too (block tables are stored flat so that a [B, W] view of the head is). A captured
+graph reads them at their fixed addresses."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kiln.attention.backend import BatchLayout
+
+
+@dataclass(frozen=True)
+class BatchRow:
+    """One request's part of a step: the tokens it computes now, from `first_position` on (the
+    ones before are in the KV cache), and its block table."""
+
+    token_ids: list[int]
+    first_position: int
+    block_table: list[int]
+
+
+class InputBuffers:
+    def __init__(
+        self,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks_per_seq: int,
+        block_size: int,
+        device: torch.device,
+    ) -> None:
+        def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(n, dtype=dtype, device=device)
+
+        self.block_size = block_size
+        self.input_ids = buf(max_tokens, torch.long)
+        self.positions = buf(max_tokens, torch.long)
+        self.slot_mapping = buf(max_tokens, torch.long)
+        # two past the requests: the end of the last one, then of the padding rows after it
+        self.query_start_loc = buf(max_seqs + 2, torch.int32)
+        self.seq_lens = buf(max_seqs, torch.int32)
+        self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
+        self.sample_rows = buf(max_seqs, torch.long)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.input_ids.numel()
+
+    def sizes(self) -> dict[str, int]:
+        """Each buffer's length: a compiled forward's static shapes."""
+        return {k: v.numel() for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+
+    def fill(self, rows: list[BatchRow], num_decodes: int) -> BatchLayout:
+        """Lay `rows` out in this order (the caller puts the `num_decodes` one-token rows
+        first, as the attention backends expect)."""
+        bs = self.block_size
+        ids, pos, slots, starts, lens = [], [], [], [0], []
+        for row in rows:
+            span = range(row.first_position, row.first_position + len(row.token_ids))
+            ids += row.token_ids
+            pos += span
+            slots += [row.block_table[p // bs] * bs + p % bs for p in span]
+            starts.append(starts[-1] + len(span))
+            lens.append(span.stop)
+        width = max(len(row.block_table) for row in rows)
+        tables = [
+            b for row in rows for b in (*row.block_table, *[0] * (width - len(row.block_table)))
+        ]
+        self.write(self.input_ids, ids)
+        self.write(self.positions, pos)
+        self.write(self.slot_mapping, slots)
+        self.write(self.seq_lens, lens)
+        self.write(self.block_tables, tables)
+        tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
+        self.write(self.query_start_loc, starts + tail)
+        return self.layout(len(rows), width, len(ids), len(ids), num_decodes, max(lens))
+
+    def pad(self, layout: BatchLayout, size: int) -> BatchLayout:
+        """`layout` grown to `size` tokens for a graph of that size: the rows after its tokens
+        write no KV slot and see no keys, so they cannot change the real rows' outputs."""
+        start, b = layout.num_tokens, layout.num_reqs
+        if size <= start:
+            return layout
+        self.query_start_loc[b + 1 :] = size
+        self.input_ids[start:size] = 0
+        self.positions[start:size] = 0
+        self.slot_mapping[start:size] = -1
+        width = layout.block_tables.shape[1]
+        return self.layout(b, width, size, layout.num_actual_tokens, layout.num_decodes,
+                           layout.max_seq_len)  # fmt: skip
+
+    def padding_layout(self, size: int) -> BatchLayout:
+        """A batch of `size` padding tokens and no request: what graphs are captured on (their
+        kernels depend on shapes only; the rows write nothing and read no key)."""
+        self.query_start_loc[:1] = 0
+        return self.pad(self.layout(0, 1, 0, 0, 0, 0), size)
+
+    def layout(
+        self, num_reqs: int, width: int, num_tokens: int, num_actual: int, num_decodes: int,
+        max_seq_len: int,
+    ) -> BatchLayout:  # fmt: skip
+        return BatchLayout(
+            positions=self.positions[:num_tokens],
+            slot_mapping=self.slot_mapping[:num_tokens],
+            query_start_loc=self.query_start_loc[: num_reqs + 1],
+            seq_lens=self.seq_lens[:num_reqs],
+            block_tables=self.block_tables[: num_reqs * width].view(num_reqs, width),
+            num_actual_tokens=num_actual,
+            num_decodes=num_decodes,
+            max_seq_len=max_seq_len,
+            block_size=self.block_size,
+            query_start_loc_buffer=self.query_start_loc,
+            block_tables_buffer=self.block_tables,
+        )
+
+    @staticmethod
+    def write(buffer: torch.Tensor, values: list[int]) -> torch.Tensor:
+        head = buffer[: len(values)]
+        head.copy_(torch.tensor(values, dtype=buffer.dtype), non_blocking=True)
+        return head

@@ -1,0 +1,303 @@
+"""Turns a scheduled batch into model inputs, dispatches it to a runtime mode, runs the model
+(eager, compiled, or a graph replay) and samples the rows that end their known tokens. Owns
+the model, its paged KV cache, the persistent input buffers and the graphs the boot captured."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
+from kiln.compiler.precompile import TraceFile, compiled_forward
+from kiln.compiler.split_backend import SplitBackend, mark_dynamic_dims, restorer_of_marks
+from kiln.config.graph_plan import GraphPlan, RuntimeMode
+from kiln.cudagraphs.dispatcher import Dispatch, GraphCounters, describe, dispatch
+from kiln.cudagraphs.full import FullGraphs
+from kiln.cudagraphs.graph_backend import GraphBackend
+from kiln.cudagraphs.piecewise import PiecewiseGraphs, RuntimeState
+from kiln.engine.executor import SampledTokens
+from kiln.engine.scheduler import ScheduledBatch
+from kiln.engine.sequence import Sequence
+from kiln.models.llama import CausalLM
+from kiln.runner.input_buffers import BatchRow, InputBuffers
+from kiln.runner.sampler import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
+
+
+@dataclass
+class StepInputs:
+    layout: BatchLayout  # unpadded: the batch's own tokens
+    query_lens: list[int]  # per request, in layout order
+    sample_rows: torch.Tensor  # index of the last token of each sampling sequence
+    sampling_seqs: list[Sequence]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What the sampler needs beyond the batch: the vocabulary, the end-of-sequence tokens and
+    the generator of unseeded requests (seeded by the engine's seed)."""
+
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    seed: int
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        attn_backend: AttentionBackend,
+        plan: GraphPlan,
+        buffers: InputBuffers,
+        sampling: Sampling,
+        device: torch.device,
+        trace_entry: Path | None = None,
+        no_trace_file: str = "no compile cache entry",
+    ) -> None:
+        """`trace_entry`: the compile cache entry where mode 3 keeps Dynamo's trace
+        (kiln/compiler/precompile.py); `no_trace_file`: why there is none."""
+        self.model, self.attn_backend, self.plan = model, attn_backend, plan
+        self.buffers, self.device = buffers, device
+        self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
+        self.sampling = sampling
+        self.generator = torch.Generator(device).manual_seed(sampling.seed)
+        self.logits_observer: LogitsObserver | None = None  # tests: the logits tokens came from
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.counters = GraphCounters()
+        self.graphs_captured = False  # set by the boot once every graph of the plan is
+        self.compile_backend: SplitBackend | None = None
+        self.forward: Callable[..., torch.Tensor] = model.forward
+        if plan.mode == 3:
+            trace_file = self._trace_file(trace_entry)
+            self.forward = compiled_forward(
+                model, plan, device, trace_file, self._mark_for_trace, no_trace_file
+            )
+            self.compile_backend = self.forward.backend
+        self.graph_backend: GraphBackend | None = None
+        self.full: FullGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
+
+    def _trace_file(self, entry: Path | None) -> TraceFile | None:
+        if entry is None:
+            return None
+        # the weights' shapes too: the runner drops Dynamo's guards on them (model_guard_filter),
+        # so a trace of other shapes (a tensor-parallel shard) would not be refused at a call
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        weights = [(name, list(t.shape), str(t.dtype)) for name, t in tensors]
+        block_size = self.buffers.block_size
+        static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights}
+        return TraceFile.in_entry(entry, self.device, static)
+
+    def attach_graphs(self, graph_backend: GraphBackend | None) -> None:
+        """The graph sets the plan's runtime modes replay, captured through `graph_backend`
+        (none: the plan captures nothing)."""
+        self.graph_backend = graph_backend
+        if graph_backend is None:
+            return
+        modes = {self.plan.decode_mode, self.plan.mixed_mode}
+        if RuntimeMode.FULL in modes:
+            self.full = FullGraphs(graph_backend)
+        if RuntimeMode.PIECEWISE in modes and self.compile_backend is not None:
+            self.piecewise = PiecewiseGraphs(graph_backend)
+            self.compile_backend.piecewise = self.piecewise
+
+    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+        cfg = self.model.config
+        shape = (num_blocks, self.buffers.block_size, cfg.num_kv_heads, cfg.head_dim)
+        # One tensor per layer and per K/V, never views of one big buffer: a compiled graph that
+        # keeps the attention op inside (no split) mutates each cache in place only when it is
+        # its own graph input; views of a shared base made Inductor copy the cache every step.
+        # empty, not zeros: backends only ever read slots that were written (padding reads are
+        # redirected), and zero-filling gigabytes would cost seconds at boot
+        self.kv_caches = [
+            (
+                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=dtype, device=self.device),
+            )
+            for _ in range(cfg.num_layers)
+        ]
+        for (k_cache, v_cache), attn in zip(self.kv_caches, self.model.attention_layers()):
+            attn.bind_cache(k_cache, v_cache)
+
+    # ---- one step -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SampledTokens:
+        inputs = self.prepare(batch)
+        hidden = self._run(inputs)
+        seqs = inputs.sampling_seqs
+        if not seqs:
+            return SampledTokens([], [], None)
+        logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if self.logits_observer is not None:
+            self.logits_observer(seqs, logits)
+        rows = SamplingBatch.build(seqs, self.sampling.vocab_size, self.device)
+        out = sample(logits, rows, self.sampling.eos_token_ids, self.generator)
+        return SampledTokens(seqs, out.token_ids, out.logprobs)
+
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """Lay the batch out decodes first, as the attention backends expect."""
+        order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)
+        rows, query_lens, sample_rows, sampling = [], [], [], []
+        end = 0
+        for i in order:
+            seq, n = batch.seqs[i], batch.num_tokens[i]
+            first = seq.num_computed_tokens
+            rows.append(BatchRow(seq.token_ids[first : first + n], first, seq.block_table))
+            query_lens.append(n)
+            end += n
+            if first + n == seq.num_tokens:
+                sample_rows.append(end - 1)
+                sampling.append(seq)
+        num_decodes = sum(1 for n in query_lens if n == 1)
+        layout = self.buffers.fill(rows, num_decodes)
+        sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
+        return StepInputs(layout, query_lens, sample_at, sampling)
+
+    def _run(self, inputs: StepInputs) -> torch.Tensor:
+        wanted = dispatch(self.plan, describe(inputs.query_lens))
+        mode = self._available(wanted)
+        if wanted.promised and mode is RuntimeMode.NONE:
+            self._record_miss(wanted)
+        self.counters.record(mode)
+        layout = inputs.layout
+        if mode is not RuntimeMode.NONE:
+            layout = self.buffers.pad(layout, wanted.descriptor.num_tokens)
+        args = self.model_inputs(layout)  # a FULL graph reads them where they were written
+        if mode is RuntimeMode.FULL:
+            return self.full.run(layout.num_tokens)
+        if mode is RuntimeMode.NONE:
+            return self._forward(*args)
+        self.piecewise.state = RuntimeState(RuntimeMode.PIECEWISE, layout.num_tokens)
+        try:
+            return self._forward(*args)
+        finally:
+            self.piecewise.state = RuntimeState()
+
+    def model_inputs(
+        self, layout: BatchLayout
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The forward's arguments for a laid-out batch: token ids, positions, and the
+        attention backend's metadata built from the layout."""
+        meta = self.attn_builder.build(layout)
+        return self.buffers.input_ids[: layout.num_tokens], layout.positions, meta
+
+    def _record_miss(self, wanted: Dispatch) -> None:
+        """Counted always; the first after capture is logged too (warm-up runs before capture,
+        so its steps miss by design)."""
+        self.counters.record_miss(wanted)
+        if self.graphs_captured and self.counters.misses == 1:
+            logger.warning(
+                "graph miss: the plan promised this step a graph (%s), but none was captured "
+                "at that size, so it ran eagerly. kiln captures every size the plan lists, so "
+                "this is a bug: please report it with `kiln info`'s graph plan. Later misses "
+                "are counted (graphs.graph_misses, with examples), not logged",
+                self.counters.miss_examples[0],
+            )
+
+    def _available(self, wanted: Dispatch) -> RuntimeMode:
+        """The promised mode if its graph was captured; NONE (a miss) otherwise."""
+        size = wanted.descriptor.num_tokens
+        if wanted.mode is RuntimeMode.FULL and self.full is not None and self.full.has(size):
+            return RuntimeMode.FULL
+        pw = self.piecewise
+        if wanted.mode is RuntimeMode.PIECEWISE and pw is not None and pw.has(size):
+            return RuntimeMode.PIECEWISE
+        return RuntimeMode.NONE
+
+    def _forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        stats = self.compile_backend.stats if self.compile_backend is not None else None
+        if stats is None:
+            return self.forward(input_ids, positions, meta)
+        compilations, start = stats.compilations, time.perf_counter()
+        out = self.forward(input_ids, positions, meta)
+        if stats.compilations != compilations:  # this call compiled
+            stats.compile_s += time.perf_counter() - start
+        return out
+
+    def padded_forward(self, size: int) -> Callable[[], torch.Tensor]:
+        """The forward of a batch of `size` padding tokens, as graphs are captured on it."""
+        args = self.model_inputs(self.buffers.padding_layout(size))
+        return lambda: self._forward(*args)
+
+    def _mark_for_trace(self, args: tuple) -> Callable[[], None]:
+        """Before Dynamo traces a call: its token and batch dimensions unbacked, and the
+        number of KV blocks dynamic (the graph-memory measurement compiles on a two-block
+        cache, and the real cache must not recompile it: on a GPU that was a second full
+        compilation at every boot). Returns what takes the KV caches' marks off again (the
+        step's inputs are new tensors every step)."""
+        restore = restorer_of_marks([t for pair in self.kv_caches for t in pair])
+        input_ids, positions, meta = args
+        mark_dynamic_dims([(input_ids, [0]), (positions, [0]), *meta.dynamic_tensors()])
+        for k_cache, v_cache in self.kv_caches:
+            torch._dynamo.mark_dynamic(k_cache, 0)
+            torch._dynamo.mark_dynamic(v_cache, 0)
+        return restore
+
+    # ---- what the engine reads and frees --------------------------------------------------
+
+    def graph_stats(self) -> dict[str, Any]:
+        return self.counters.to_dict() | {
+            "recompilations": self.recompilations,
+            "last_recompile_reason": self.last_recompile_reason,
+            "piecewise_input_copies": self.piecewise.copies if self.piecewise else 0,
+        }
+
+    def compile_stats(self) -> dict[str, Any] | None:
+        if self.compile_backend is None:
+            return None
+        st = self.compile_backend.stats
+        return {
+            "backend": self.plan.backend,
+            "compilations": st.compilations,
+            "pieces": st.pieces,
+            "compile_s": round(st.compile_s, 3),
+            "backend_s": round(st.backend_s, 3),
+            "dynamo_trace": st.trace,
+            "trace_load_s": round(st.trace_load_s, 3),
+            "summary": st.summary(self.plan.backend),
+        }
+
+    def reset_counters(self) -> None:
+        self.counters = GraphCounters()
+
+    def mark_warmed_up(self) -> None:
+        """Compilations from now on are recompilations: counted and warned about."""
+        if self.compile_backend is not None:
+            self.compile_backend.stats.warmed_up = True
+
+    def release_memory(self) -> None:
+        """Drop the graphs and the KV cache (the engine is closing)."""
+        self.drop_graphs()
+        self.kv_caches = []
+        for attn in self.model.attention_layers():
+            attn.k_cache = attn.v_cache = None
+        if self.graph_backend is not None:
+            self.graph_backend.release()
+        elif self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def drop_graphs(self) -> None:
+        if self.full is not None:
+            self.full.graphs.clear()
+        if self.piecewise is not None:
+            self.piecewise.clear()
+
+    @property
+    def recompilations(self) -> int:
+        return self.compile_backend.stats.recompilations if self.compile_backend else 0
+
+    @property
+    def last_recompile_reason(self) -> str | None:
+        return self.compile_backend.stats.last_recompile_reason if self.compile_backend else None
