@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 import dataclasses
 import logging
@@ -49,9 +50,28 @@ def _served_name(model: str | None, path: str) -> str:
     return base[:-5] if base.endswith(".gguf") else base
 
 
+# after the drain deadline, the time aborted streams get to send their last chunk before
+# uvicorn cancels what is left
+FLUSH_S = 5.0
+
+
 class GracefulServer(uvicorn.Server):
-    """uvicorn re-raises SIGTERM/SIGINT after draining, which ends the process with a signal
-    status; kiln's drain is the intended end, so it exits 0."""
+    """SIGTERM/SIGINT drain the server: new requests get a 503, running ones get the shutdown
+    timeout to finish; then they are aborted, so that every answer still in flight ends with a
+    last chunk (finish_reason "abort") and `[DONE]`, or its JSON, instead of being cut off.
+    The process then exits 0 (uvicorn would re-raise the signal after draining)."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncEngine, drain_s: float) -> None:
+        super().__init__(config)
+        self.engine, self.drain_s = engine, drain_s
+
+    async def shutdown(self, sockets=None) -> None:
+        self.engine.refuse_new()
+        deadline = asyncio.get_running_loop().call_later(self.drain_s, self.engine.abort_all)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self):
@@ -80,9 +100,9 @@ def run(args: argparse.Namespace) -> int:
         host=args.host,
         port=args.port,
         log_level="info",
-        timeout_graceful_shutdown=args.shutdown_timeout,
+        timeout_graceful_shutdown=args.shutdown_timeout + FLUSH_S,
     )
-    server = GracefulServer(config)
+    server = GracefulServer(config, async_engine, args.shutdown_timeout)
     logger.info(
         "serving %s as %r on http://%s:%d", engine.boot.model_path, name, args.host, args.port
     )

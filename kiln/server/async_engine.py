@@ -121,10 +121,13 @@ class AsyncEngine:
                 request_id, text, ids, params, arrival = payload
                 with self._lock:
                     self._pending -= 1
-                if request_id in self._streams:
-                    self.engine.add_prepared(request_id, text, ids, params, arrival)
+                # added even when its client is already gone: the abort posted behind it in
+                # the inbox ends it before any step, and counts it as aborted
+                self.engine.add_prepared(request_id, text, ids, params, arrival)
             elif kind == "abort":
-                self.engine.abort_request(payload)
+                out = self.engine.abort_request(payload)
+                if out is not None:  # its stream, if still open, ends on it
+                    self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
         if self.on_output is not None:
@@ -147,10 +150,11 @@ class AsyncEngine:
     def new_request_id(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}-{int(time.time() * 1000)}"
 
-    async def generate(
-        self, request_id: str, text: str | None, ids: list[int], params: SamplingParams
-    ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; a consumer that stops early (a disconnect) aborts the request."""
+    def admit(self, count: int) -> None:
+        """Take `count` prompts in, or refuse them all: while the server drains
+        (EngineStopped), or while the waiting queue is at its bound (EngineOverloaded). The
+        bound is checked once for all of them, so that one HTTP request is admitted whole or
+        not at all, and a request larger than the bound is admitted once the queue is short."""
         if self._stopping:
             raise EngineStopped("the server is shutting down")
         with self._lock:
@@ -158,11 +162,28 @@ class AsyncEngine:
                 raise EngineOverloaded(
                     f"{self.num_waiting} requests are waiting (limit {self.max_waiting_requests})"
                 )
-            self._pending += 1
+            self._pending += count
+
+    def generate(
+        self,
+        request_id: str,
+        text: str | None,
+        ids: list[int],
+        params: SamplingParams,
+        admitted: bool = False,
+    ) -> AsyncIterator[RequestOutput]:
+        """Hand the request to the engine now, and return its outputs as a stream; a consumer
+        that stops early (a disconnect) aborts the request, and so does `abort`, for a stream
+        nobody started. `admitted`: the caller has taken the prompt in with `admit`."""
+        if not admitted:
+            self.admit(1)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         self._streams[request_id] = stream
         self._inbox.put(("add", (request_id, text, ids, params, time.monotonic())))
         self._wake.set()
+        return self._outputs(request_id, stream)
+
+    async def _outputs(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while not finished:
@@ -177,15 +198,26 @@ class AsyncEngine:
                 self.abort(request_id)
 
     def abort(self, request_id: str) -> None:
+        """Stop a request whose client is gone: nobody reads its stream any more."""
+        self._streams.pop(request_id, None)
+        self._post_abort(request_id)
+
+    def _post_abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
+        self._wake.set()
+
+    def refuse_new(self) -> None:
+        """From now on new requests get EngineStopped (a 503); running ones go on."""
+        self._stopping = True
         self._wake.set()
 
     def stop(self, timeout: float | None = None) -> None:
         """Finish what is running (new requests are refused), then end the loop thread."""
-        self._stopping = True
-        self._wake.set()
+        self.refuse_new()
         self._thread.join(timeout)
 
     def abort_all(self) -> None:
+        """Abort every request a client waits on: each stream ends with its output so far and
+        finish_reason "abort"."""
         for request_id in list(self._streams):
-            self.abort(request_id)
+            self._post_abort(request_id)

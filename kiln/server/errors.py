@@ -70,7 +70,8 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def on_http(request: Request, exc: StarletteHTTPException):
         kind = {404: "NotFoundError", 405: "MethodNotAllowedError"}.get(exc.status_code, "Error")
-        return error_response(exc.status_code, str(exc.detail), kind)
+        # a 405 carries the route's methods in `Allow` (RFC 9110)
+        return error_response(exc.status_code, str(exc.detail), kind, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_crash(request: Request, exc: Exception):

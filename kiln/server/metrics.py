@@ -54,6 +54,12 @@ class ServerMetrics:
         self.requests = Counter(
             "kiln_requests", "finished requests by status", ["status"], registry=r
         )
+        self.http_responses = Counter(
+            "kiln_http_requests",
+            "HTTP responses by route, method and status code",
+            ["handler", "method", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("kiln_prompt_tokens", "prompt tokens processed", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "tokens generated", registry=r)
         self.ttft = Histogram(

@@ -5,9 +5,10 @@ that would change the output and that kiln does not implement are a 400 (UNSUPPO
 from __future__ import annotations
 
 import logging
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from kiln.sampling_params import MAX_LOGPROBS, SamplingParams
 
@@ -31,23 +32,96 @@ UNSUPPORTED = {
 }
 
 
-def _in_use(name: str, value: Any) -> bool:
-    """Whether a request asks for the feature, not just sends the field's neutral value."""
+def _neutral(name: str, value: Any) -> bool:
+    """Whether the request sends the field without asking for the feature: JSON's null, false,
+    "", [] or {} (for best_of also 1, for response_format a "text" format). The same values,
+    and only these, are what the OpenAPI document allows (NEUTRAL_SCHEMAS)."""
+    if value is None:
+        return True
     if name == "response_format":
-        return isinstance(value, dict) and value.get("type", "text") != "text"
+        return isinstance(value, dict) and value.get("type", "text") == "text"
     if name == "best_of":
-        return value not in (None, 1)
-    return not (value is None or value is False or value in ("", [], {}))
+        return type(value) in (int, float) and value == 1
+    return value is False or (type(value) in (str, list, dict) and len(value) == 0)
+
+
+_EMPTY = [
+    {"type": "null"},
+    {"const": False},
+    {"type": "string", "maxLength": 0},
+    {"type": "array", "maxItems": 0},
+    {"type": "object", "maxProperties": 0},
+]
+NEUTRAL_SCHEMAS = {
+    name: {"anyOf": _EMPTY, "description": f"not supported ({what}): only an empty value"}
+    for name, what in UNSUPPORTED.items()
+}
+NEUTRAL_SCHEMAS["best_of"] = {
+    "anyOf": [{"type": "null"}, {"const": 1}],
+    "description": "not supported: only 1",
+}
+NEUTRAL_SCHEMAS["response_format"] = {
+    "anyOf": [
+        {"type": "null"},
+        {"type": "object", "properties": {"type": {"const": "text"}}},
+    ],
+    "description": "only the plain text format: structured output is not supported",
+}
+
+
+def _schema(*rules: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """A model's JSON schema extras: the unsupported fields with the values they may take,
+    and the rules across fields that the model's validators enforce, as JSON Schema."""
+
+    def extra(schema: dict[str, Any]) -> None:
+        schema.setdefault("properties", {}).update(NEUTRAL_SCHEMAS)
+        if rules:
+            schema["allOf"] = list(rules)
+
+    return extra
+
+
+# strict: JSON's types as the OpenAPI document states them ("1.5" is no number, true no 1)
+_STRICT = ConfigDict(extra="allow", strict=True)
+
+
+def _whole(value: Any) -> Any:
+    """JSON Schema's integers include numbers like 3.0; pydantic's strict ones do not."""
+    return int(value) if type(value) is float and value.is_integer() else value
+
+
+def _signed_64(value: int) -> int:
+    """The same value for every 64-bit seed, the rest wrapped into that range."""
+    return (value + 2**63) % 2**64 - 2**63
+
+
+# the constraint before the validator, or pydantic documents it as an unknown "ge" keyword
+PositiveInt = Annotated[int, Field(ge=1), BeforeValidator(_whole)]
+NonNegativeInt = Annotated[int, Field(ge=0), BeforeValidator(_whole)]
+TopK = Annotated[int, Field(ge=-1), BeforeValidator(_whole)]
+TopLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS), BeforeValidator(_whole)]
+NumChoices = Annotated[int, Field(ge=1, le=128), BeforeValidator(_whole)]
+# any integer: one outside 64 bits is taken modulo 2**64 (its float bounds are not exact in JSON)
+Seed = Annotated[int, BeforeValidator(_whole)]
+
+# token ids and prompt lengths: their upper bounds are the served model's, added to the
+# OpenAPI document when the app is built (openapi.py), and checked against the model
+TokenId = NonNegativeInt
+TokenPrompt = Annotated[list[TokenId], Field(min_length=1)]
+NonEmptyText = Annotated[str, Field(min_length=1)]
+# logit_bias keys are token ids written as JSON object keys: decimal, no sign, no leading zero
+BiasKey = Annotated[str, Field(pattern=r"^(0|[1-9][0-9]*)$")]
+Bias = Annotated[float, Field(ge=-100, le=100)]
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_schema())
 
     @model_validator(mode="after")
     def _refuse_unsupported_then_ignore_extras(self) -> _Request:
         extras = self.model_extra or {}
         for name, value in extras.items():
-            if name in UNSUPPORTED and _in_use(name, value):
+            if name in UNSUPPORTED and not _neutral(name, value):
                 raise ValueError(
                     f"{name}: kiln does not support {UNSUPPORTED[name]}; remove {name}"
                 )
@@ -57,32 +131,35 @@ class _Request(BaseModel):
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
     include_usage: bool = False
 
 
 class _Sampling(_Request):
     model: str | None = None
-    n: int = Field(1, ge=1, le=128)
-    max_tokens: int | None = Field(None, ge=1)
+    n: NumChoices = 1
+    max_tokens: PositiveInt | None = Field(
+        None, description="at most the context left after the prompt (more is capped)"
+    )
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: TopK | None = None
     min_p: float | None = Field(None, ge=0, le=1)
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     repetition_penalty: float | None = Field(None, gt=0)
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
-    min_tokens: int = Field(0, ge=0)
+    seed: Seed | None = None
+    stop: NonEmptyText | list[NonEmptyText] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    min_tokens: NonNegativeInt = Field(0, description="capped at max_tokens")
     ignore_eos: bool = False
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[BiasKey, Bias] | None = None
     include_stop_str_in_output: bool = False  # vLLM's extras
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    def sampling_params(self, max_tokens: int, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             n=self.n,
@@ -93,9 +170,9 @@ class _Sampling(_Request):
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
-            seed=self.seed,
+            seed=None if self.seed is None else _signed_64(self.seed),
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
+            min_tokens=min(self.min_tokens, max_tokens),
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
@@ -110,46 +187,80 @@ class _Sampling(_Request):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# OpenAI returns the prompt's logprobs for echo with logprobs, which kiln does not compute
+_NO_ECHO_WITH_LOGPROBS = {
+    "not": {
+        "required": ["echo", "logprobs"],
+        "properties": {"echo": {"const": True}, "logprobs": {"type": "integer"}},
+    }
+}
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_schema(_NO_ECHO_WITH_LOGPROBS))
+    prompt: (
+        NonEmptyText
+        | TokenPrompt
+        | Annotated[list[NonEmptyText], Field(min_length=1)]
+        | Annotated[list[TokenPrompt], Field(min_length=1)]
+    )
+    logprobs: TopLogprobs | None = None
     echo: bool = False  # each choice's text starts with its prompt
 
     @model_validator(mode="after")
     def _echo_without_logprobs(self) -> CompletionRequest:
         if self.echo and self.logprobs is not None:
-            # OpenAI then returns the prompt's logprobs too, which kiln does not compute
             raise ValueError("echo with logprobs is not supported (no prompt logprobs): drop one")
         return self
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+class TextPart(BaseModel):
+    model_config = _STRICT
+    type: Literal["text"]
+    text: str = ""
 
-    @model_validator(mode="after")
-    def _text_parts_only(self) -> ChatMessage:
-        for part in self.content if isinstance(self.content, list) else ():
-            if part.get("type") != "text":
-                kind = part.get("type", "(no type)")
+
+class ChatMessage(BaseModel):
+    model_config = _STRICT
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[TextPart] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_parts_only(cls, data: Any) -> Any:
+        """Said plainly, before the field's own error (a union of every case) would."""
+        content = data.get("content") if isinstance(data, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type") != "text":
                 raise ValueError(
-                    f"content part type {kind!r} is not supported: kiln serves text-only "
-                    "models; send text parts"
+                    f"content part type {part.get('type', '(no type)')!r} is not supported: "
+                    "kiln serves text-only models; send text parts"
                 )
-        return self
+        return data
 
     def text(self) -> str:
-        if isinstance(self.content, list):  # text parts only (checked above)
-            return "".join(p.get("text", "") for p in self.content)
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
         return self.content or ""
 
 
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "not": {
+        "required": ["top_logprobs"],
+        "properties": {
+            "top_logprobs": {"type": "integer", "minimum": 1},
+            "logprobs": {"not": {"const": True}},
+        },
+    }
+}
+
+
 class ChatCompletionRequest(_Sampling):
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_schema(_TOP_LOGPROBS_NEED_LOGPROBS))
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
@@ -159,7 +270,23 @@ class ChatCompletionRequest(_Sampling):
         return self
 
 
+# exactly one of them, given and not null
+_PROMPT_OR_MESSAGES = {
+    "anyOf": [
+        {
+            "required": ["prompt"],
+            "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}},
+        },
+        {
+            "required": ["messages"],
+            "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}},
+        },
+    ]
+}
+
+
 class TokenizeRequest(_Request):
+    model_config = ConfigDict(**_STRICT, json_schema_extra=_schema(_PROMPT_OR_MESSAGES))
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, min_length=1)
@@ -174,7 +301,7 @@ class TokenizeRequest(_Request):
 
 class DetokenizeRequest(_Request):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
 
 
 def error_body(

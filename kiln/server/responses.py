@@ -88,20 +88,19 @@ class ResponseBuilder:
         return self._envelope(obj, choices, usage_of(outs))
 
     def _choice(self, index: int, c: CompletionOutput) -> dict[str, Any]:
-        reason = c.finish_reason if c.finish_reason != "abort" else "stop"
         if self.kind == "chat":
             return {
                 "index": index,
                 "message": {"role": "assistant", "content": c.text},
                 "logprobs": chat_logprobs(c.logprobs),
-                "finish_reason": reason,
+                "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
             }
         return {
             "index": index,
             "text": self._echoed(index, c.text),
             "logprobs": completion_logprobs(c.logprobs),
-            "finish_reason": reason,
+            "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         }
 
