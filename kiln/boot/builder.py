@@ -39,6 +39,7 @@ from kiln.models.llama import CausalLM
 from kiln.models.weights import load_weights
 from kiln.runner.input_buffers import InputBuffers
 from kiln.runner.model_runner import ModelRunner, Sampling
+from kiln.runner.padding import pads_eager_steps
 from kiln.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -156,7 +157,11 @@ def _runner(
         trace_entry, no_trace = None, '"aot_compile": false'
     else:
         trace_entry, no_trace = entry.path, ""
-    return ModelRunner(model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace)
+    runner = ModelRunner(
+        model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace
+    )
+    runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
+    return runner
 
 
 def _allocate_kv_cache(

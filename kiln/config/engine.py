@@ -182,6 +182,16 @@ class EngineConfig:
             bool, "refuse to start when the graph plan would change the requested config"
         ),
     )
+    eager_step_padding: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "auto (default): on the CPU, a step run outside a graph is padded to a bounded set "
+            "of token counts (exact to 8, then multiples of 8, 32, 128), which keeps oneDNN's "
+            "per-shape kernels and memory bounded; on: on every device; off: exact sizes",
+            choices=("auto", "on", "off"),
+        ),
+    )
     attention_backend: str = field(
         default="auto",
         metadata=option(

@@ -26,6 +26,7 @@ from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.models.llama import CausalLM
 from kiln.runner.input_buffers import BatchRow, InputBuffers
+from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.counters = GraphCounters()
         self.graphs_captured = False  # set by the boot once every graph of the plan is
+        self.pad_eager_steps = False  # kiln/runner/padding.py; set by the boot
         self.compile_backend: SplitBackend | None = None
         self.forward: Callable[..., torch.Tensor] = model.forward
         if plan.mode == 3:
@@ -172,6 +174,9 @@ class ModelRunner:
         layout = inputs.layout
         if mode is not RuntimeMode.NONE:
             layout = self.buffers.pad(layout, wanted.descriptor.num_tokens)
+        elif self.pad_eager_steps:
+            size = padded_token_count(layout.num_tokens, self.buffers.max_tokens)
+            layout = self.buffers.pad(layout, size)
         args = self.model_inputs(layout)  # a FULL graph reads them where they were written
         if mode is RuntimeMode.FULL:
             return self.full.run(layout.num_tokens)
