@@ -56,6 +56,17 @@ TINY_VARIANTS = {
         ),
     ),
     "qwen3": ("Qwen3Config", dict(tie_word_embeddings=False)),
+    # layer 0 sparse, layer 1 dense; top-2 of 4 experts with unnormalised weights
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            mlp_only_layers=[1],
+            norm_topk_prob=False,
+        ),
+    ),
 }
 
 

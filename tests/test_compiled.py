@@ -54,7 +54,7 @@ def _assert_matches_eager(eager, compiled, rtol: float = 1e-4, atol: float = 1e-
     return out
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen3"])
+@pytest.fixture(scope="module", params=["llama", "qwen3", "qwen3_moe"])
 def engines(request, tiny_models, tmp_path_factory):
     path = tiny_models[request.param]
     eager = make_engine(path, block_size=4, max_num_batched_tokens=16)
@@ -170,11 +170,16 @@ def test_the_dump_shows_every_piece_and_its_code(engines):
     assert [c.name.split(".")[0] for c in codes] == sorted(r.split()[0] for r in compiled_rows)
     assert all("def call(" in c.read_text() for c in codes)
     assert all("assert_size_stride(" in c.read_text() for c in codes)  # Inductor's default
-    # the linears (qkv, o, gate_up, down per layer) call oneDNN from the generated code, not
-    # kiln's op (which would go back through Python): kiln.compilation.lowerings
+    # the linears (qkv, o, gate_up, down per dense layer; qkv, o and the router per sparse
+    # one) call oneDNN from the generated code, not kiln's op (which would go back through
+    # Python): kiln/compiler/lowerings.py
     text = "".join(c.read_text() for c in codes)
-    assert text.count("= torch.ops.mkldnn._linear_pointwise.default(") == 4 * layers
+    sparse = len(compiled.model_config.sparse_layers)
+    linears = 4 * (layers - sparse) + 3 * sparse
+    assert text.count("= torch.ops.mkldnn._linear_pointwise.default(") == linears
     assert "= torch.ops.kiln.onednn_linear.default(" not in text
+    # the experts run as one opaque op per sparse layer, inside a compiled piece
+    assert text.count("torch.ops.kiln.moe_experts.default(") == sparse
 
 
 def test_the_onednn_lowering_replaces_inductor_default_fallback(monkeypatch):

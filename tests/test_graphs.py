@@ -68,16 +68,18 @@ MODES = [
 ]
 
 
+def _reference(path: str, backend: str):
+    """An eager run of the workload, with a KV budget small enough to force preemption."""
+    engine = _engine(path, "NONE", 0, backend, graphs=False, kv=PREEMPTING)
+    out = run_schedule(engine, _workload(), record_logits=True)
+    assert engine.stats().num_preemptions > 0
+    return out
+
+
 @pytest.fixture(scope="module")
 def references(tiny_models):
-    """Eager runs of the workload per attention backend, with a KV budget small enough to
-    force preemption."""
-    out = {}
-    for backend in ("torch", "triton"):
-        engine = _engine(tiny_models["llama"], "NONE", 0, backend, graphs=False, kv=PREEMPTING)
-        out[backend] = run_schedule(engine, _workload(), record_logits=True)
-        assert engine.stats().num_preemptions > 0
-    return out
+    """The llama model's eager runs per attention backend."""
+    return {b: _reference(tiny_models["llama"], b) for b in ("torch", "triton")}
 
 
 def _assert_equals_reference(finals, logits, reference) -> None:
@@ -104,6 +106,19 @@ def test_graph_mode_equals_eager(tiny_models, references, graph_mode, mode, back
     # the attention ops fill an output the piece before them allocated: a PIECEWISE replay
     # finds every input at its captured address (it copied each layer's output before)
     assert st.graphs["piecewise_input_copies"] == 0
+
+
+@pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
+def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, backend, ran):
+    """The experts' op (data-dependent grouping) inside FULL graphs and inside a compiled
+    piece of PIECEWISE ones, padding rows routed like any token."""
+    path = tiny_models["qwen3_moe"]
+    engine = _engine(path, graph_mode, mode, backend, kv=PREEMPTING)
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, _reference(path, backend))
+    st = engine.stats()
+    assert {m for m, n in st.graphs["steps"].items() if n} == ran
+    assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
 
 
 def test_piecewise_graphs_of_uncompiled_pieces_equal_eager(tiny_models, references):

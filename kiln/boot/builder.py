@@ -35,7 +35,7 @@ from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import ModelSource, open_model
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models import build_model
-from kiln.models.llama import CausalLM
+from kiln.models.interface import CausalModel
 from kiln.models.weights import load_weights
 from kiln.runner.input_buffers import InputBuffers
 from kiln.runner.model_runner import ModelRunner, Sampling
@@ -99,7 +99,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
 
 def load_model(
     source: ModelSource, attn_backend: AttentionBackend, config: EngineConfig, device: torch.device
-) -> CausalLM:
+) -> CausalModel:
     dtype = torch_dtype(config)
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -136,7 +136,7 @@ def open_compile_cache(
 
 
 def _runner(
-    model: CausalLM,
+    model: CausalModel,
     attn_backend: AttentionBackend,
     plan: GraphPlan,
     config: EngineConfig,

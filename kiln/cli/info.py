@@ -35,8 +35,32 @@ def _model_rows(path: str, m: ModelConfig, tokenizer: Tokenizer) -> list[tuple[s
         ("context length", str(m.max_position_embeddings)),
         ("rope", f"theta {m.rope_theta:g}, scaling {m.rope_scaling or 'none'}"),
         ("tied embeddings", str(m.tie_word_embeddings)),
+        *_moe_rows(m),
         ("chat template", "yes" if tokenizer.has_chat_template else "no"),
     ]
+
+
+def _moe_rows(m: ModelConfig) -> list[tuple[str, str]]:
+    if m.moe is None:
+        return []
+    e = m.moe
+    experts = f"top {e.top_k} of {e.num_experts}, intermediate {e.intermediate_size}"
+    if e.shared_intermediate_size:
+        experts += f", shared expert {e.shared_intermediate_size}"
+    experts += f", normalised top-k {e.norm_topk_prob}"
+    sparse = f"{len(m.sparse_layers)} of {m.num_layers}: {_ranges(m.sparse_layers)}"
+    return [("experts", experts), ("sparse layers", sparse)]
+
+
+def _ranges(layers: tuple[int, ...]) -> str:
+    """0,1,2,5 -> '0-2, 5'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _config_rows(

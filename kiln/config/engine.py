@@ -187,7 +187,7 @@ class EngineConfig:
         metadata=option(
             str,
             "auto (default): on the CPU, a step run outside a graph is padded to a bounded set "
-            "of token counts (exact to 8, then multiples of 8, 32, 128), which keeps oneDNN's "
+            "of token counts (exact to 8, then eight sizes per doubling), which keeps oneDNN's "
             "per-shape kernels and memory bounded; on: on every device; off: exact sizes",
             choices=("auto", "on", "off"),
         ),

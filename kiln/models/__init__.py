@@ -5,12 +5,13 @@ from __future__ import annotations
 from kiln.attention import AttentionBackend
 from kiln.errors import ModelLoadError
 from kiln.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kiln.models.interface import CausalModel
 from kiln.models.llama import CausalLM
 
 _MODEL_CLASSES = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
 
 
-def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalLM:
+def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalModel:
     if cfg.architecture not in _MODEL_CLASSES:
         raise ModelLoadError(
             f"unsupported architecture {cfg.architecture!r}; kiln supports "
@@ -19,4 +20,4 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalLM:
     return _MODEL_CLASSES[cfg.architecture](cfg, backend)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "ModelConfig", "build_model"]
+__all__ = ["SUPPORTED_ARCHITECTURES", "CausalModel", "ModelConfig", "build_model"]

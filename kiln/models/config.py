@@ -7,7 +7,28 @@ from typing import Any
 
 from kiln.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "Qwen3MoeForCausalLM",
+)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    intermediate_size: int  # per expert
+    norm_topk_prob: bool = True
+    shared_intermediate_size: int = 0  # 0: no shared expert
+
+    @property
+    def params_per_hidden(self) -> int:
+        """A sparse layer's MLP parameters per hidden unit: the router, the experts, the shared
+        expert and its gate."""
+        shared = self.shared_intermediate_size
+        return self.num_experts * (1 + 3 * self.intermediate_size) + 3 * shared + (shared > 0)
 
 
 @dataclass(frozen=True)
@@ -30,6 +51,8 @@ class ModelConfig:
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    moe: MoEConfig | None = None
+    sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -47,6 +70,9 @@ class ModelConfig:
                 f"hidden_act {self.hidden_act!r} is not supported; expected 'silu'"
             )
 
+        if self.sparse_layers and self.moe is None:
+            raise ModelLoadError("sparse_layers needs an MoE config")
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -54,9 +80,12 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        layer = attn + 3 * h * i + 2 * h
+        dense = self.num_layers - len(self.sparse_layers)
+        mlps = dense * 3 * h * i
+        if self.moe is not None:
+            mlps += len(self.sparse_layers) * h * self.moe.params_per_hidden
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embed + h
+        return self.num_layers * (attn + 2 * h) + mlps + embed + h
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -103,10 +132,11 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            **_moe_from_hf(cfg),
         )
     except KeyError as exc:
         raise ModelLoadError(
@@ -114,8 +144,29 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
         ) from None
 
 
+def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The MoE fields of Qwen-style configs: which layers are sparse (not in `mlp_only_layers`,
+    and every `decoder_sparse_step`-th), and the experts' shape."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    only_dense = set(cfg.get("mlp_only_layers") or [])
+    step = cfg.get("decoder_sparse_step") or 1
+    layers = cfg["num_hidden_layers"]
+    sparse = tuple(i for i in range(layers) if i not in only_dense and (i + 1) % step == 0)
+    moe = MoEConfig(
+        num_experts=experts,
+        top_k=cfg["num_experts_per_tok"],
+        intermediate_size=cfg["moe_intermediate_size"],
+        norm_topk_prob=cfg.get("norm_topk_prob", True),
+        shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+    )
+    return {"moe": moe, "sparse_layers": sparse}
+
+
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }

@@ -1,18 +1,20 @@
-"""Llama, Qwen2 and Qwen3 decoder-only models, written with kiln's own layers.
+"""Llama, Qwen2, Qwen3 and Qwen3-MoE decoder-only models, written with kiln's own layers.
 
-The three differ only in details: Qwen2 has q/k/v biases, Qwen3 normalizes q and k per head
-before RoPE. q/k/v and gate/up are fused into one matmul each, which the loader fills by rows.
+They differ only in details: Qwen2 has q/k/v biases, Qwen3 normalizes q and k per head before
+RoPE, Qwen3-MoE replaces the MLP of its sparse layers by a mixture of experts. q/k/v and gate/up
+are fused into one matmul each, which the loader fills by rows.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kiln.attention import Attention, AttentionBackend, AttentionMetadata
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear
+from kiln.layers.mlp import SwiGLU
+from kiln.layers.moe import SparseMoE
 from kiln.layers.norm import RMSNorm
 from kiln.layers.rotary import RotaryEmbedding, apply_rotary
 from kiln.models.config import ModelConfig
@@ -46,25 +48,19 @@ class SelfAttention(nn.Module):
         return self.o_proj(a(q, k, v, meta))
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend):
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend, index: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        if index in cfg.sparse_layers:
+            m = cfg.moe
+            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, m.num_experts, m.top_k,
+                                            m.intermediate_size, m.norm_topk_prob,
+                                            m.shared_intermediate_size)  # fmt: skip
+        else:
+            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
@@ -82,7 +78,7 @@ class CausalLM(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
 

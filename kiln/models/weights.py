@@ -10,6 +10,7 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear
+from kiln.layers.moe import FusedExperts
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,48 @@ def _load_fused(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None
     return f"{parent}.{fused}.{leaf}#{index}"
 
 
+_EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _load_expert(model: nn.Module, name: str, tensor: torch.Tensor) -> list[str] | None:
+    """Load one expert's projection (`...mlp.experts.7.up_proj.weight`, as transformers saves
+    them) or all experts' stacked tensor (`...mlp.experts.gate_up_proj`, its in-memory form)
+    into a FusedExperts; returns the keys loaded, or None for any other tensor."""
+    if ".experts." not in name:
+        return None
+    owner_path, rest = name.split(".experts.", 1)
+    try:
+        owner = model.get_submodule(owner_path + ".experts")
+    except AttributeError:  # no such layer or no experts there: the caller reports it
+        return None
+    if not isinstance(owner, FusedExperts):
+        return None
+    if rest in ("gate_up_proj", "down_proj"):
+        _copy(getattr(owner, rest), name, tensor)
+        parts = _EXPERT_PARTS[:2] if rest == "gate_up_proj" else _EXPERT_PARTS[2:]
+        return [_expert_key(owner_path, e, p) for e in range(owner.num_experts) for p in parts]
+    expert, proj, _ = [*rest.split("."), "", "", ""][:3]
+    if not expert.isdigit() or int(expert) >= owner.num_experts or proj not in _EXPERT_PARTS:
+        raise ModelLoadError(f"tensor {name!r} names no expert projection of this model")
+    _copy(owner.part(int(expert), proj), name, tensor)
+    return [_expert_key(owner_path, int(expert), proj)]
+
+
+def _expert_key(owner_path: str, expert: int, proj: str) -> str:
+    return f"{owner_path}.experts.{expert}.{proj}.weight"  # the name transformers saves
+
+
 def _expected_keys(model: nn.Module) -> set[str]:
     keys = set()
+    for path, module in model.named_modules():
+        if isinstance(module, FusedExperts):
+            owner = path.removesuffix(".experts")
+            keys |= {_expert_key(owner, e, p) for e in range(module.num_experts)
+                     for p in _EXPERT_PARTS}  # fmt: skip
     for name, _ in model.named_parameters():
         path = name.rsplit(".", 1)[0]
+        if path.endswith(".experts"):
+            continue
         if path.endswith("qkv_proj"):
             keys |= {f"{name}#{i}" for i in range(3)}
         elif path.endswith("gate_up_proj"):
@@ -69,6 +108,10 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         with torch.no_grad():
+            expert_keys = _load_expert(model, name, tensor) if "layers." in name else None
+            if expert_keys is not None:
+                loaded.update(expert_keys)
+                continue
             key = _load_fused(model, name, tensor) if "layers." in name else None
             if key is None:
                 if name not in params:

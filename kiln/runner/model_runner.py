@@ -24,7 +24,7 @@ from kiln.cudagraphs.piecewise import PiecewiseGraphs, RuntimeState
 from kiln.engine.executor import SampledTokens
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
-from kiln.models.llama import CausalLM
+from kiln.models.interface import CausalModel
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
@@ -55,7 +55,7 @@ class Sampling:
 class ModelRunner:
     def __init__(
         self,
-        model: CausalLM,
+        model: CausalModel,
         attn_backend: AttentionBackend,
         plan: GraphPlan,
         buffers: InputBuffers,
@@ -113,7 +113,7 @@ class ModelRunner:
             self.compile_backend.piecewise = self.piecewise
 
     def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
-        cfg = self.model.config
+        cfg, attention = self.model.config, self.model.attention_layers()
         shape = (num_blocks, self.buffers.block_size, cfg.num_kv_heads, cfg.head_dim)
         # One tensor per layer and per K/V, never views of one big buffer: a compiled graph that
         # keeps the attention op inside (no split) mutates each cache in place only when it is
@@ -125,9 +125,9 @@ class ModelRunner:
                 torch.empty(shape, dtype=dtype, device=self.device),
                 torch.empty(shape, dtype=dtype, device=self.device),
             )
-            for _ in range(cfg.num_layers)
+            for _ in attention
         ]
-        for (k_cache, v_cache), attn in zip(self.kv_caches, self.model.attention_layers()):
+        for (k_cache, v_cache), attn in zip(self.kv_caches, attention):
             attn.bind_cache(k_cache, v_cache)
 
     # ---- one step -----------------------------------------------------------------------

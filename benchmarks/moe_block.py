@@ -1,0 +1,103 @@
+"""The mixture-of-experts block alone: kiln's SparseMoE (its CPU product, one matmul pair per
+active expert, and the grouped product CUDA graphs capture) against HF transformers' own
+Qwen3-MoE block on the same weights, in one run, interleaved, medians of each. Shapes are
+Qwen3-30B-A3B's expert mix (128 experts, top 8) scaled to a small machine by default.
+
+    python benchmarks/moe_block.py                                # CPU, fp32
+    python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 --dtype bfloat16"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from kiln.layers import moe
+
+
+def _hf_block(args: argparse.Namespace) -> torch.nn.Module:
+    import transformers
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    cfg = transformers.Qwen3MoeConfig(
+        hidden_size=args.hidden, num_experts=args.experts, num_experts_per_tok=args.top_k,
+        moe_intermediate_size=args.intermediate, norm_topk_prob=True,
+    )  # fmt: skip
+    block = Qwen3MoeSparseMoeBlock(cfg)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.normal_(0, 0.02)
+    return block
+
+
+def _kiln_block(hf: torch.nn.Module, args: argparse.Namespace, product) -> torch.nn.Module:
+    block = moe.SparseMoE(args.hidden, args.experts, args.top_k, args.intermediate, True, 0)
+    with torch.no_grad():
+        block.gate.weight.copy_(hf.gate.weight)
+        block.experts.gate_up_proj.copy_(hf.experts.gate_up_proj)
+        block.experts.down_proj.copy_(hf.experts.down_proj)
+    block.experts.forward = lambda x, ids, w: product(  # which product, bypassing the op
+        x, block.experts.gate_up_proj, block.experts.down_proj, ids, w
+    )
+    return block
+
+
+def _time(fn, x: torch.Tensor, repeats: int) -> float:
+    fn(x)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        fn(x)
+    if x.device.type == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--intermediate", type=int, default=384)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 4, 16, 64, 512])
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args()
+    dtype, device = getattr(torch, args.dtype), torch.device(args.device)
+    torch.manual_seed(0)
+    hf = _hf_block(args).to(device, dtype).eval()
+    blocks = {
+        "hf": hf,
+        "kiln (per-expert)": _kiln_block(hf, args, moe.experts_by_loop).to(device, dtype),
+        "kiln (grouped)": _kiln_block(hf, args, moe.experts_grouped).to(device, dtype),
+    }
+    rows = []
+    with torch.inference_mode():
+        for n in args.tokens:
+            x = torch.randn(n, args.hidden, device=device, dtype=dtype)
+            ref = hf(x[None])[0]
+            for name, block in blocks.items():
+                torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
+            repeats = max(2, 64 // n)
+            times = {name: [] for name in blocks}
+            for r in range(args.rounds):  # interleaved, order rotated each round
+                names = list(blocks)[r % 3 :] + list(blocks)[: r % 3]
+                for name in names:
+                    fn = (lambda v: hf(v[None])) if name == "hf" else blocks[name]
+                    times[name].append(_time(fn, x, repeats))
+            med = {name: statistics.median(t) for name, t in times.items()}
+            rows.append({"tokens": n, **{k: round(v, 3) for k, v in med.items()}})
+    names = list(blocks)
+    print("| tokens | " + " | ".join(f"{n} ms" for n in names) + " | hf / kiln (per-expert) |")
+    print("| --- " * (len(names) + 2) + "|")
+    for r in rows:
+        ratio = r["hf"] / r["kiln (per-expert)"]
+        print(f"| {r['tokens']} | " + " | ".join(str(r[n]) for n in names) + f" | {ratio:.2f}x |")
+    print(json.dumps({"args": vars(args), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
