@@ -4,7 +4,8 @@ Qwen3-MoE block on the same weights, in one run, interleaved, medians of each. S
 Qwen3-30B-A3B's expert mix (128 experts, top 8) scaled to a small machine by default.
 
     python benchmarks/moe_block.py                                # CPU, fp32
-    python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 --dtype bfloat16"""
+    python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
+        --dtype bfloat16"""
 
 from __future__ import annotations
 
@@ -79,7 +80,7 @@ def main() -> None:
         for n in args.tokens:
             x = torch.randn(n, args.hidden, device=device, dtype=dtype)
             ref = hf(x[None])[0]
-            for name, block in blocks.items():
+            for block in blocks.values():
                 torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
             repeats = max(2, 64 // n)
             times = {name: [] for name in blocks}
