@@ -80,8 +80,9 @@ def main() -> None:
         for n in args.tokens:
             x = torch.randn(n, args.hidden, device=device, dtype=dtype)
             ref = hf(x[None])[0]
-            for block in blocks.values():
-                torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
+            for name, block in blocks.items():
+                if name != "hf":
+                    torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
             repeats = max(2, 64 // n)
             times = {name: [] for name in blocks}
             for r in range(args.rounds):  # interleaved, order rotated each round
