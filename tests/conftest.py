@@ -67,6 +67,22 @@ TINY_VARIANTS = {
             norm_topk_prob=False,
         ),
     ),
+    # a Gated DeltaNet layer, then a gated-attention layer; experts with a shared expert
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=8,
+            linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
 }
 
 

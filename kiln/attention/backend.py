@@ -54,9 +54,30 @@ class BatchLayout:
         return self.seq_lens.shape[0]
 
 
+@dataclass(frozen=True)
+class StateRows:
+    """The requests of a step as layers with a state per sequence see them (Gated DeltaNet):
+    for each, its rows [start, end) of the flat batch, its state slot, and whether it starts
+    from an empty state (its first chunk) or continues the slot's state."""
+
+    rows: tuple[tuple[int, int, int, bool], ...]
+
+    @classmethod
+    def of(cls, layout: BatchLayout, state_slots: list[int]) -> StateRows:
+        starts = layout.query_start_loc.tolist()
+        lens = layout.seq_lens.tolist()
+        return cls(tuple(
+            (a, b, slot, n == b - a)  # no token before this step's: a fresh state
+            for a, b, n, slot in zip(starts, starts[1:], lens, state_slots)
+        ))  # fmt: skip
+
+
 class AttentionMetadata:
     """A backend's metadata for one step, built once and read by every attention layer. The
-    model passes it through untouched; Dynamo traces it as an input of the compiled forward."""
+    model passes it through untouched; Dynamo traces it as an input of the compiled forward.
+    For a hybrid model the runner adds `state_rows`, which its Gated DeltaNet layers read."""
+
+    state_rows: StateRows | None = None
 
     # field name -> the dimensions that change from step to step (marked dynamic for Dynamo,
     # so one compilation serves every batch)

@@ -15,6 +15,7 @@ from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.preview import (
     for_device,
+    for_hybrid_model,
     resolve_max_model_len,
     resolve_plan,
     select_attention,
@@ -54,6 +55,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)
+        config = for_hybrid_model(config, source.config, device)
         tokenizer = source.load_tokenizer()
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)

@@ -4,11 +4,16 @@ never fewer than one full context."""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import replace
+
 import torch
 
 from kiln.config.engine import CacheConfig
 from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_FRACTION = {"cpu": 0.2, "cuda": 0.85}
 
@@ -25,8 +30,15 @@ def available_memory(device: torch.device) -> int:
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = model.num_layers * 2 * model.num_kv_heads * model.head_dim
+    per_token = len(model.attention_layer_ids) * 2 * model.num_kv_heads * model.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def state_bytes_per_sequence(model: ModelConfig, dtype: torch.dtype) -> int:
+    """A hybrid model's Gated DeltaNet state of one sequence, all layers (0 for others)."""
+    if model.linear_attention is None:
+        return 0
+    return len(model.linear_layer_ids) * model.linear_attention.state_bytes(dtype)
 
 
 def num_kv_blocks(
@@ -60,11 +72,36 @@ def size_kv_cache(
     bs = cache.block_size
     per_block = kv_bytes_per_block(model, bs, dtype)
     per_seq = -(-max_model_len // bs)
-    blocks = num_kv_blocks(cache, per_block, device, per_seq * max_num_seqs + 1, graph_reserve)
+    # the state slots (one per sequence the scheduler may run) come out of the same budget
+    states = state_bytes_per_sequence(model, dtype) * max_num_seqs
+    reserve = graph_reserve + (states if cache.kv_cache_memory is None else 0)
+    cache = _less(cache, states)
+    blocks = num_kv_blocks(cache, per_block, device, per_seq * max_num_seqs + 1, reserve)
     if blocks * bs < max_model_len:
         raise ConfigError(
             f"the KV cache holds {blocks * bs} tokens ({blocks} blocks of {per_block} bytes), "
             f"fewer than max_model_len={max_model_len}: raise --kv-cache-memory "
-            f"(to at least {per_seq * per_block / 2**20:.1f}MiB) or lower --max-model-len"
+            f"(to at least {(per_seq * per_block + states) / 2**20:.1f}MiB) or lower "
+            "--max-model-len"
         )
+    if states:
+        logger.info(
+            "hybrid model: %d KV bytes per token (%d attention layers), %d state bytes per "
+            "sequence (%d Gated DeltaNet layers) x %d slots = %.1f MiB of state",
+            per_block // bs, len(model.attention_layer_ids), states // max_num_seqs,
+            len(model.linear_layer_ids), max_num_seqs, states / 2**20,
+        )  # fmt: skip
     return blocks
+
+
+def _less(cache: CacheConfig, state_bytes: int) -> CacheConfig:
+    """A fixed KV budget less the state slots' bytes."""
+    if cache.kv_cache_memory is None or not state_bytes:
+        return cache
+    if state_bytes >= cache.kv_cache_memory:
+        raise ConfigError(
+            f"the state slots of {state_bytes / 2**20:.1f}MiB fill the KV cache budget of "
+            f"{cache.kv_cache_memory / 2**20:.1f}MiB: raise --kv-cache-memory or lower "
+            "--max-num-seqs"
+        )
+    return replace(cache, kv_cache_memory=cache.kv_cache_memory - state_bytes)

@@ -13,6 +13,8 @@ import torch
 from kiln.attention.backend import AttentionBackend, AttentionShape
 from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.compiler.split_backend import check_splitting_ops
+from kiln.config.compilation import CompilationConfig
+from kiln.config.compilation_values import CUDAGraphMode
 from kiln.config.engine import DTYPES, EngineConfig
 from kiln.config.graph_plan import AttentionCaps, DeviceCaps, GraphPlan, resolve_graph_plan
 from kiln.config.plan_table import log_plan
@@ -59,6 +61,36 @@ def select_attention(
     return select_backend(
         config.attention_backend, device, config.cache.block_size, shape, torch_dtype(config)
     )
+
+
+def for_hybrid_model(
+    config: EngineConfig, model: ModelConfig, device: torch.device
+) -> EngineConfig:
+    """What a hybrid model (Gated DeltaNet layers) cannot do yet, turned off loudly: each change
+    is a WARNING naming the remedy, an error with --strict-graphs."""
+    if not model.is_hybrid:
+        return config
+    if config.cache.enable_prefix_caching:
+        _change(config, "prefix caching is off: a prefix hit would need the Gated DeltaNet "
+                "state at the end of the prefix, which kiln does not checkpoint yet",
+                "--no-enable-prefix-caching")  # fmt: skip
+        config = replace(config, cache=replace(config.cache, enable_prefix_caching=False))
+    c, eager = config.compilation, CompilationConfig(mode=0, cudagraph_mode="NONE")
+    graphs = c.cudagraph_mode not in (None, CUDAGraphMode.NONE)
+    compiled = c.mode == 3 or graphs or (c.mode is None and device.type == "cuda")
+    if compiled and not config.enforce_eager:
+        _change(config, "torch.compile and CUDA graphs are off (mode 0, cudagraph_mode NONE): "
+                "the Gated DeltaNet layers run eagerly only, not yet as a registered op that "
+                "a compiled graph could split at",
+                '-O \'{"mode": 0, "cudagraph_mode": "NONE"}\'')  # fmt: skip
+    return replace(config, compilation=replace(c, mode=0, cudagraph_mode=eager.cudagraph_mode))
+
+
+def _change(config: EngineConfig, what: str, remedy: str) -> None:
+    message = f"hybrid model: {what}. Remedy: pass {remedy} to ask for this yourself"
+    if config.strict_graphs:
+        raise ConfigError(message + " (refused: --strict-graphs)")
+    logger.warning(message)
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kiln.engine.sequence import Sequence
+from kiln.engine.state_slots import StateSlots
 
 
 @dataclass
@@ -27,7 +28,12 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
+        state_slots: StateSlots | None = None,
+    ) -> None:  # fmt: skip
+        """`state_slots`: a hybrid model's, taken and given back with a sequence's blocks."""
+        self.state_slots = state_slots
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -74,6 +80,8 @@ class BlockManager:
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
         """Whether `num_tokens` (cached prefix included) fit, given the prefix hits."""
+        if self.state_slots is not None and not self.state_slots.num_free:
+            return False
         reused_free = sum(1 for b in hits if self.blocks[b].ref_count == 0)
         return self.blocks_needed(num_tokens) - len(hits) <= len(self.free) - reused_free
 
@@ -83,6 +91,8 @@ class BlockManager:
             if block.ref_count == 0:
                 del self.free[block_id]
             block.ref_count += 1
+        if self.state_slots is not None:
+            seq.state_slot = self.state_slots.take()
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -146,3 +156,6 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
+        if self.state_slots is not None and seq.state_slot >= 0:
+            self.state_slots.give_back(seq.state_slot)
+            seq.state_slot = -1

@@ -21,6 +21,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, new_sequences, validate_prompt
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import SequenceCounter
+from kiln.engine.state_slots import StateSlots
 from kiln.errors import EngineClosedError, InvalidRequestError
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
@@ -77,7 +78,8 @@ class LLMEngine:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.runner, self.max_model_len, self.boot = runner, max_model_len, boot
         cache = config.cache
-        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching)
+        slots = StateSlots(config.scheduler.max_num_seqs) if model_config.is_hybrid else None
+        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching, slots)
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.output_processor = OutputProcessor(tokenizer, max_model_len)
         self.requests: dict[str, Request] = {}

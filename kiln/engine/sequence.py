@@ -34,6 +34,7 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
+    state_slot: int = -1  # hybrid models: the slot of its per-layer state while admitted
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     logprobs: list[Logprobs] = field(default_factory=list)

@@ -97,3 +97,12 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
+def apply_partial_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary on the first 2 * cos.shape[-1] dims of each head, the rest passed through (a
+    `partial_rotary_factor` below one)."""
+    rotated = 2 * cos.shape[-1]
+    if rotated == x.shape[-1]:
+        return _rotate(x, cos, sin)
+    return torch.cat([_rotate(x[..., :rotated], cos, sin), x[..., rotated:]], dim=-1)

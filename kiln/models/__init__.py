@@ -7,8 +7,10 @@ from kiln.errors import ModelLoadError
 from kiln.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from kiln.models.interface import CausalModel
 from kiln.models.llama import CausalLM
+from kiln.models.qwen3_next import Qwen3NextForCausalLM
 
 _MODEL_CLASSES = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
+_MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalModel:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import torch
+
 from kiln.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = (
@@ -12,6 +14,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Qwen3NextForCausalLM",
 )
 
 
@@ -29,6 +32,32 @@ class MoEConfig:
         expert and its gate."""
         shared = self.shared_intermediate_size
         return self.num_experts * (1 + 3 * self.intermediate_size) + 3 * shared + (shared > 0)
+
+
+@dataclass(frozen=True)
+class LinearAttentionConfig:
+    """The Gated DeltaNet layers' shape (Qwen3-Next's `linear_*` fields)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+    @property
+    def conv_dim(self) -> int:  # q, k and v go through the convolution together
+        return 2 * self.num_key_heads * self.key_head_dim + self.value_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_value_heads * self.value_head_dim
+
+    def state_bytes(self, conv_dtype: torch.dtype) -> int:
+        """One sequence's state in one layer: the convolution's last inputs (model dtype) and
+        the delta rule's state (float32)."""
+        conv = self.conv_dim * (self.conv_kernel - 1) * conv_dtype.itemsize
+        recurrent = self.num_value_heads * self.key_head_dim * self.value_head_dim * 4
+        return conv + recurrent
 
 
 @dataclass(frozen=True)
@@ -53,6 +82,11 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     moe: MoEConfig | None = None
     sparse_layers: tuple[int, ...] = ()  # the layers whose MLP is `moe`
+    # hybrid models: "full_attention" or "linear_attention" per layer (none: all attention)
+    layer_types: tuple[str, ...] = ()
+    linear_attention: LinearAttentionConfig | None = None
+    partial_rotary_factor: float = 1.0
+    attention_output_gate: bool = False  # q_proj twice as wide: a sigmoid gate per head dim
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -72,6 +106,30 @@ class ModelConfig:
 
         if self.sparse_layers and self.moe is None:
             raise ModelLoadError("sparse_layers needs an MoE config")
+        unknown = set(self.layer_types) - {"full_attention", "linear_attention"}
+        if unknown:
+            raise ModelLoadError(
+                f"layer_types {sorted(unknown)} are not supported; kiln runs full_attention "
+                "and linear_attention (Gated DeltaNet) layers"
+            )
+        if "linear_attention" in self.layer_types and self.linear_attention is None:
+            raise ModelLoadError("linear_attention layers need the linear_* config fields")
+
+    @property
+    def attention_layer_ids(self) -> tuple[int, ...]:
+        """The layers with a paged KV cache."""
+        if not self.layer_types:
+            return tuple(range(self.num_layers))
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        """The Gated DeltaNet layers, each with a state per sequence."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def is_hybrid(self) -> bool:
+        return bool(self.linear_layer_ids)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -79,13 +137,20 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        q = self.num_heads * (2 if self.attention_output_gate else 1)
+        mixers = (
+            len(self.attention_layer_ids) * h * d * (q + self.num_heads + 2 * self.num_kv_heads)
+        )
+        if self.linear_attention is not None:
+            la = self.linear_attention
+            gdn = h * (la.conv_dim + la.value_dim + 2 * la.num_value_heads) + la.value_dim * h
+            mixers += len(self.linear_layer_ids) * (gdn + la.conv_dim * la.conv_kernel)
         dense = self.num_layers - len(self.sparse_layers)
         mlps = dense * 3 * h * i
         if self.moe is not None:
             mlps += len(self.sparse_layers) * h * self.moe.params_per_hidden
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + 2 * h) + mlps + embed + h
+        return mixers + self.num_layers * 2 * h + mlps + embed + h
 
 
 def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -132,11 +197,12 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             **_moe_from_hf(cfg),
+            **_hybrid_from_hf(cfg, arch),
         )
     except KeyError as exc:
         raise ModelLoadError(
@@ -164,9 +230,32 @@ def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
     return {"moe": moe, "sparse_layers": sparse}
 
 
+def _hybrid_from_hf(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
+    """Qwen3-Next's layer pattern, its Gated DeltaNet shape and its attention's details."""
+    if arch != "Qwen3NextForCausalLM":
+        return {}
+    params = cfg.get("rope_parameters") or {}
+    linear = LinearAttentionConfig(
+        num_key_heads=cfg["linear_num_key_heads"],
+        num_value_heads=cfg["linear_num_value_heads"],
+        key_head_dim=cfg["linear_key_head_dim"],
+        value_head_dim=cfg["linear_value_head_dim"],
+        conv_kernel=cfg["linear_conv_kernel_dim"],
+    )
+    return {
+        "layer_types": tuple(cfg["layer_types"]),
+        "linear_attention": linear,
+        "partial_rotary_factor": cfg.get(
+            "partial_rotary_factor", params.get("partial_rotary_factor", 1.0)
+        ),
+        "attention_output_gate": True,
+    }
+
+
 _ARCH_BY_MODEL_TYPE = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen3_next": "Qwen3NextForCausalLM",
 }

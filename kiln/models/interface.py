@@ -9,6 +9,7 @@ from typing import Protocol, Self
 import torch
 
 from kiln.attention import Attention, AttentionMetadata
+from kiln.layers.gated_deltanet import GatedDeltaNet
 from kiln.models.config import ModelConfig
 
 
@@ -32,6 +33,11 @@ class CausalModel(Protocol):
 
     def attention_layers(self) -> list[Attention]:
         """The layers that own a paged KV cache, in order: one cache per entry is bound."""
+        ...
+
+    def linear_layers(self) -> list[GatedDeltaNet]:
+        """The layers with a fixed-size state per sequence (hybrid models), in order; the runner
+        binds each its state tensors, indexed by state slot. Empty for attention-only models."""
         ...
 
     # what an nn.Module has: the compile cache keys on the tensors' names, shapes and dtypes

@@ -105,3 +105,6 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[Attention]:
         return [layer.self_attn.attn for layer in self.layers]
+
+    def linear_layers(self) -> list[nn.Module]:
+        return []  # no layer with a state per sequence

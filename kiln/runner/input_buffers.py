@@ -20,6 +20,7 @@ class BatchRow:
     token_ids: list[int]
     first_position: int
     block_table: list[int]
+    state_slot: int = -1  # hybrid models: the slot of its Gated DeltaNet states
 
 
 class InputBuffers:

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, StateRows
 from kiln.compiler.precompile import TraceFile, compiled_forward
 from kiln.compiler.split_backend import SplitBackend, mark_dynamic_dims, restorer_of_marks
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
@@ -40,6 +40,7 @@ class StepInputs:
     query_lens: list[int]  # per request, in layout order
     sample_rows: torch.Tensor  # index of the last token of each sampling sequence
     sampling_seqs: list[Sequence]
+    state_slots: list[int]  # per request, in layout order (hybrid models; else -1)
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,8 @@ class ModelRunner:
         self.generator = torch.Generator(device).manual_seed(sampling.seed)
         self.logits_observer: LogitsObserver | None = None  # tests: the logits tokens came from
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.linear_layers = model.linear_layers()
+        self.state_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.counters = GraphCounters()
         self.graphs_captured = False  # set by the boot once every graph of the plan is
         self.pad_eager_steps = False  # kiln/runner/padding.py; set by the boot
@@ -129,6 +132,21 @@ class ModelRunner:
         ]
         for (k_cache, v_cache), attn in zip(self.kv_caches, attention):
             attn.bind_cache(k_cache, v_cache)
+        self._allocate_states(dtype)
+
+    def _allocate_states(self, dtype: torch.dtype) -> None:
+        """A hybrid model's Gated DeltaNet states: one slot per sequence the scheduler may run,
+        the convolution's inputs in the model's dtype, the delta rule's matrices in float32
+        (zeroed when a sequence starts in a slot, so empty is enough here)."""
+        slots = self.buffers.seq_lens.numel()
+        self.state_tensors = []
+        for layer in self.linear_layers:
+            conv = torch.empty(slots, layer.conv_dim, layer.conv1d.weight.shape[-1] - 1,
+                               dtype=dtype, device=self.device)  # fmt: skip
+            recurrent = torch.empty(slots, layer.value_heads, layer.key_dim, layer.value_dim,
+                                    dtype=torch.float32, device=self.device)  # fmt: skip
+            layer.bind_states(conv, recurrent)
+            self.state_tensors.append((conv, recurrent))
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -154,7 +172,8 @@ class ModelRunner:
         for i in order:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             first = seq.num_computed_tokens
-            rows.append(BatchRow(seq.token_ids[first : first + n], first, seq.block_table))
+            tokens = seq.token_ids[first : first + n]
+            rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot))
             query_lens.append(n)
             end += n
             if first + n == seq.num_tokens:
@@ -163,7 +182,8 @@ class ModelRunner:
         num_decodes = sum(1 for n in query_lens if n == 1)
         layout = self.buffers.fill(rows, num_decodes)
         sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
-        return StepInputs(layout, query_lens, sample_at, sampling)
+        slots = [row.state_slot for row in rows]
+        return StepInputs(layout, query_lens, sample_at, sampling, slots)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
@@ -178,6 +198,8 @@ class ModelRunner:
             size = padded_token_count(layout.num_tokens, self.buffers.max_tokens)
             layout = self.buffers.pad(layout, size)
         args = self.model_inputs(layout)  # a FULL graph reads them where they were written
+        if self.linear_layers:
+            args[2].state_rows = StateRows.of(layout, inputs.state_slots)
         if mode is RuntimeMode.FULL:
             return self.full.run(layout.num_tokens)
         if mode is RuntimeMode.NONE:
