@@ -1,7 +1,8 @@
 """Hybrid models (Qwen3-Next: Gated DeltaNet layers beside attention layers) in the engine:
 state slots taken and given back with a sequence's blocks (preemption and abort leak none, and
 a preempted sequence recomputed into a fresh slot gives the same tokens), the state memory
-sized beside the KV cache, what the boot turns off said loudly. HF parity is in test_parity.py,
+sized beside the KV cache, prefix caching turned off loudly, mode 3 and piecewise graphs equal
+to eager (FULL resolved loudly: the GDN op is not capturable). HF parity is in test_parity.py,
 the delta rule in test_gdn.py."""
 
 from __future__ import annotations
@@ -91,18 +92,118 @@ def test_slots_refuse_a_double_give_back():
         slots.give_back(a)
 
 
-def test_what_a_hybrid_model_cannot_do_yet_is_turned_off_loudly(tiny_models, caplog):
+def test_prefix_caching_is_turned_off_loudly(tiny_models, caplog):
     path = tiny_models["qwen3_next"]
-    compiled = CompilationConfig(mode=3, cudagraph_mode="NONE")
     with caplog.at_level(logging.WARNING, logger="kiln.boot.preview"):
-        engine = make_engine(path, compilation=compiled)
-    assert engine.plan.mode == 0 and not engine.config.cache.enable_prefix_caching
+        engine = make_engine(path)
+    assert not engine.config.cache.enable_prefix_caching
     warnings = [r.getMessage() for r in caplog.records]
     assert any("prefix caching is off" in w and "--no-enable-prefix-caching" in w for w in warnings)
-    assert any("torch.compile and CUDA graphs are off" in w for w in warnings)
     with pytest.raises(ConfigError, match="strict-graphs"):
-        make_engine(path, compilation=compiled, prefix_caching=False, strict_graphs=True)
+        make_engine(path, strict_graphs=True)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="kiln.boot.preview"):
         make_engine(path, prefix_caching=False)  # what it can do: nothing to say
     assert not caplog.records
+
+
+def _assert_same(engine, reference) -> None:
+    ref, ref_logits = reference
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    for rid in ref:
+        assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+
+
+@pytest.fixture(scope="module")
+def eager_reference(tiny_models):
+    engine = make_engine(tiny_models["qwen3_next"], block_size=4, max_num_batched_tokens=16,
+                         prefix_caching=False)  # fmt: skip
+    return run_schedule(engine, _workload(), record_logits=True)
+
+
+def _engine(path: str, compilation: CompilationConfig, **kw):
+    return make_engine(path, block_size=4, max_num_batched_tokens=16, prefix_caching=False,
+                       max_num_seqs=8, compilation=compilation, **kw)  # fmt: skip
+
+
+def test_mode_3_equals_eager(tiny_models, eager_reference):
+    """One Inductor graph, the Gated DeltaNet op inside as an extern call."""
+    engine = _engine(tiny_models["qwen3_next"], CompilationConfig(mode=3))
+    _assert_same(engine, eager_reference)
+    assert engine.runner.compile_stats()["compilations"] == 1
+
+
+def test_graphs_split_at_both_ops_and_full_resolves_to_piecewise(
+    tiny_models, eager_reference, caplog
+):
+    """FULL_AND_PIECEWISE asked with the FULL-capable Triton attention: the Gated DeltaNet op
+    cannot be captured, so the plan says so and resolves to PIECEWISE; the pieces split at the
+    attention op and the GDN op, and every step replays a piecewise graph."""
+    pytest.importorskip("triton")
+    from kiln.cudagraphs.graph_backend import EmulatedGraphBackend
+
+    config = CompilationConfig(mode=3, cudagraph_mode="FULL_AND_PIECEWISE",
+                               cudagraph_capture_sizes=(1, 2, 4, 8, 16))  # fmt: skip
+    with caplog.at_level(logging.WARNING):
+        engine = _engine(tiny_models["qwen3_next"], config, attention_backend="triton",
+                         graph_backend=EmulatedGraphBackend())  # fmt: skip
+    assert engine.plan.cudagraph_mode.value == "PIECEWISE"
+    assert any("Gated DeltaNet op" in r.getMessage() for r in caplog.records)
+    assert "kiln::gdn_core" in engine.plan.splitting_ops
+    _assert_same(engine, eager_reference)
+    st = engine.stats()
+    assert {m for m, n in st.graphs["steps"].items() if n} == {"PIECEWISE"}
+    assert st.graphs["graph_misses"] == 0
+    layers = engine.model_config.num_layers  # one splitting op each: GDN or attention
+    assert engine.runner.compile_stats()["pieces"] == layers + 1
+
+
+def test_the_server_streams_a_hybrid_model(tiny_models):
+    """`kiln serve` with the tiny Qwen3-Next: a streamed answer equals the one-shot answer
+    to the same greedy request, and a repeated prompt answers the same (no prefix hit: prefix
+    caching is off for hybrid models, and usage says so)."""
+    import json
+
+    import httpx
+
+    from tests.server_helpers import ServerProcess
+
+    server = ServerProcess(tiny_models["qwen3_next"], "--kv-cache-memory", "16MiB",
+                           "--no-enable-prefix-caching")  # fmt: skip
+    try:
+        body = {"prompt": "The lighthouse keeper wrote", "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True}  # fmt: skip
+        url = server.base + "/v1/completions"
+        first = httpx.post(url, json=body, timeout=60).json()
+        again = httpx.post(url, json=body, timeout=60).json()
+        with httpx.stream("POST", url, json={**body, "stream": True}, timeout=60) as resp:
+            lines = [line[6:] for line in resp.iter_lines() if line.startswith("data: ")]
+        assert lines[-1] == "[DONE]"
+        streamed = "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
+        assert first["choices"][0]["text"] == again["choices"][0]["text"] == streamed
+        assert first["usage"]["completion_tokens"] == 12
+        details = again["usage"].get("prompt_tokens_details") or {}
+        assert details.get("cached_tokens", 0) == 0
+        info = httpx.get(server.base + "/v1/engine", timeout=30).json()
+        assert info["stats"]["num_running"] == 0
+    finally:
+        assert server.stop() == 0
+
+
+def test_mtp_tensors_are_kept_not_dropped(tiny_models, tmp_path):
+    """A checkpoint with a multi-token-prediction head (mtp.*, as Qwen3-Next ships it): its
+    tensors are kept on the model, byte for byte, for speculative decoding."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "with_mtp"
+    shutil.copytree(tiny_models["qwen3_next"], path)
+    tensors = load_file(str(path / "model.safetensors"))
+    mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
+    save_file({**tensors, **mtp}, str(path / "model.safetensors"))
+    engine = make_engine(str(path), prefix_caching=False)
+    kept = engine.runner.model.mtp_weights
+    assert set(kept) == set(mtp) and all(torch.equal(kept[k], mtp[k]) for k in mtp)

@@ -134,10 +134,16 @@ def test_experts_load_from_either_form_and_a_missing_one_is_named(tiny_models, t
         _experts_of(str(broken))
 
 
-def test_kiln_info_names_the_experts(tiny_models, capsys):
+def test_kiln_info_names_the_experts_and_the_layer_types(tiny_models, capsys):
     from kiln.cli.main import main
 
     assert main(["info", tiny_models["qwen3_moe"], "--kv-cache-memory", "4MiB"]) == 0
     out = capsys.readouterr().out
     assert "Qwen3MoeForCausalLM" in out
     assert "top 2 of 4, intermediate 32" in out and "sparse layers" in out and "1 of 2: 0" in out
+    assert main(["info", tiny_models["qwen3_next"], "--kv-cache-memory", "8MiB",
+                 "--no-enable-prefix-caching"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "shared expert 48" in out and "Gated DeltaNet 0; attention 1" in out
+    state = ((2 * 2 * 16 + 4 * 8) * 3 + 4 * 16 * 8) * 4  # as test_hybrid computes it
+    assert f"state per sequence        {state / 1024:.1f} KiB" in out

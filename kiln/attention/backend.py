@@ -36,6 +36,7 @@ class BatchLayout:
     query_start_loc: torch.Tensor  # [B + 1] int32, offsets of each request's tokens
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
     block_tables: torch.Tensor  # [B, W] int32, a view of block_tables_buffer
+    state_slots: torch.Tensor  # [B] int32, each request's state slot (hybrid models; else -1)
     num_actual_tokens: int
     num_decodes: int
     max_seq_len: int
@@ -54,37 +55,34 @@ class BatchLayout:
         return self.seq_lens.shape[0]
 
 
-@dataclass(frozen=True)
-class StateRows:
-    """The requests of a step as layers with a state per sequence see them (Gated DeltaNet):
-    for each, its rows [start, end) of the flat batch, its state slot, and whether it starts
-    from an empty state (its first chunk) or continues the slot's state."""
+@dataclass
+class StateMetadata:
+    """What layers with a state per sequence (Gated DeltaNet) read of a step: each request's
+    rows of the flat batch, its KV length after the step (equal to its row count: its first
+    chunk, from an empty state) and its state slot. Views of the runner's persistent buffers."""
 
-    rows: tuple[tuple[int, int, int, bool], ...]
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    state_slots: torch.Tensor  # [B] int32
 
-    @classmethod
-    def of(cls, layout: BatchLayout, state_slots: list[int]) -> StateRows:
-        starts = layout.query_start_loc.tolist()
-        lens = layout.seq_lens.tolist()
-        return cls(tuple(
-            (a, b, slot, n == b - a)  # no token before this step's: a fresh state
-            for a, b, n, slot in zip(starts, starts[1:], lens, state_slots)
-        ))  # fmt: skip
+    def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
+        return [(self.query_start_loc, (0,)), (self.seq_lens, (0,)), (self.state_slots, (0,))]
 
 
 class AttentionMetadata:
     """A backend's metadata for one step, built once and read by every attention layer. The
     model passes it through untouched; Dynamo traces it as an input of the compiled forward.
-    For a hybrid model the runner adds `state_rows`, which its Gated DeltaNet layers read."""
+    For a hybrid model the runner adds `state`, which its Gated DeltaNet layers read."""
 
-    state_rows: StateRows | None = None
+    state: StateMetadata | None = None
 
     # field name -> the dimensions that change from step to step (marked dynamic for Dynamo,
     # so one compilation serves every batch)
     dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {}
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(getattr(self, name), dims) for name, dims in self.dynamic_dims.items()]
+        own = [(getattr(self, name), dims) for name, dims in self.dynamic_dims.items()]
+        return own + (self.state.dynamic_tensors() if self.state is not None else [])
 
 
 class MetadataBuilder(ABC):

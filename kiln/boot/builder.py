@@ -55,7 +55,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)
-        config = for_hybrid_model(config, source.config, device)
+        config = for_hybrid_model(config, source.config)
         tokenizer = source.load_tokenizer()
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)
@@ -63,7 +63,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     try:
         with phases.phase("plan"):
             max_model_len = resolve_max_model_len(config, source.config)
-            plan = resolve_plan(config, attn_backend, device, graph_backend)
+            plan = resolve_plan(config, attn_backend, device, graph_backend, source.config)
             entry = open_compile_cache(plan, config, source, device)
             runner = _runner(model, attn_backend, plan, config, max_model_len, tokenizer, entry,
                              device)  # fmt: skip

@@ -13,13 +13,18 @@ import torch
 from kiln.attention.backend import AttentionBackend, AttentionShape
 from kiln.attention.selector import ATTENTION_OPS, select_backend
 from kiln.compiler.split_backend import check_splitting_ops
-from kiln.config.compilation import CompilationConfig
-from kiln.config.compilation_values import CUDAGraphMode
 from kiln.config.engine import DTYPES, EngineConfig
-from kiln.config.graph_plan import AttentionCaps, DeviceCaps, GraphPlan, resolve_graph_plan
+from kiln.config.graph_plan import (
+    AttentionCaps,
+    DeviceCaps,
+    GraphPlan,
+    GraphSupport,
+    resolve_graph_plan,
+)
 from kiln.config.plan_table import log_plan
 from kiln.cudagraphs.graph_backend import GraphBackend
 from kiln.errors import ConfigError
+from kiln.layers.gated_deltanet import GDN_GRAPH_SUPPORT, GDN_OP
 from kiln.loader import ModelSource, open_model
 from kiln.models.config import ModelConfig
 
@@ -63,27 +68,15 @@ def select_attention(
     )
 
 
-def for_hybrid_model(
-    config: EngineConfig, model: ModelConfig, device: torch.device
-) -> EngineConfig:
-    """What a hybrid model (Gated DeltaNet layers) cannot do yet, turned off loudly: each change
-    is a WARNING naming the remedy, an error with --strict-graphs."""
-    if not model.is_hybrid:
+def for_hybrid_model(config: EngineConfig, model: ModelConfig) -> EngineConfig:
+    """What a hybrid model (Gated DeltaNet layers) cannot do yet, turned off loudly: a WARNING
+    naming the remedy, an error with --strict-graphs."""
+    if not model.is_hybrid or not config.cache.enable_prefix_caching:
         return config
-    if config.cache.enable_prefix_caching:
-        _change(config, "prefix caching is off: a prefix hit would need the Gated DeltaNet "
-                "state at the end of the prefix, which kiln does not checkpoint yet",
-                "--no-enable-prefix-caching")  # fmt: skip
-        config = replace(config, cache=replace(config.cache, enable_prefix_caching=False))
-    c, eager = config.compilation, CompilationConfig(mode=0, cudagraph_mode="NONE")
-    graphs = c.cudagraph_mode not in (None, CUDAGraphMode.NONE)
-    compiled = c.mode == 3 or graphs or (c.mode is None and device.type == "cuda")
-    if compiled and not config.enforce_eager:
-        _change(config, "torch.compile and CUDA graphs are off (mode 0, cudagraph_mode NONE): "
-                "the Gated DeltaNet layers run eagerly only, not yet as a registered op that "
-                "a compiled graph could split at",
-                '-O \'{"mode": 0, "cudagraph_mode": "NONE"}\'')  # fmt: skip
-    return replace(config, compilation=replace(c, mode=0, cudagraph_mode=eager.cudagraph_mode))
+    _change(config, "prefix caching is off: a prefix hit would need the Gated DeltaNet state "
+            "at the end of the prefix, which kiln does not checkpoint yet",
+            "--no-enable-prefix-caching")  # fmt: skip
+    return replace(config, cache=replace(config.cache, enable_prefix_caching=False))
 
 
 def _change(config: EngineConfig, what: str, remedy: str) -> None:
@@ -104,19 +97,35 @@ def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     return asked or limit
 
 
+def mixer_caps(backend: AttentionBackend, model: ModelConfig) -> AttentionCaps:
+    """What the model's token mixers allow the plan: the attention backend's, and for a hybrid
+    model the Gated DeltaNet op's too (the lesser graph support, both ops split at)."""
+    if not model.is_hybrid:
+        return AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops)
+    support = max(backend.graph_support, GDN_GRAPH_SUPPORT, key=_SUPPORT_ORDER.index)
+    return AttentionCaps(
+        f"{backend.name} with the Gated DeltaNet op", support, (*backend.splitting_ops, GDN_OP)
+    )
+
+
+_SUPPORT_ORDER = [GraphSupport.ALWAYS, GraphSupport.UNIFORM_BATCH,
+                  GraphSupport.UNIFORM_SINGLE_TOKEN_DECODE, GraphSupport.NEVER]  # fmt: skip
+
+
 def resolve_plan(
     config: EngineConfig,
     backend: AttentionBackend,
     device: torch.device,
     graph_backend: GraphBackend | None,
+    model: ModelConfig,
 ) -> GraphPlan:
     """The graph plan, logged: every change it made is a WARNING (an error when strict)."""
-    check_splitting_ops(config.compilation.splitting_ops or (), ATTENTION_OPS)
+    check_splitting_ops(config.compilation.splitting_ops or (), (*ATTENTION_OPS, GDN_OP))
     sched = config.scheduler
     plan = resolve_graph_plan(
         config.compilation,
         device_caps(device, graph_backend),
-        AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops),
+        mixer_caps(backend, model),
         max_num_batched_tokens=sched.max_num_batched_tokens,
         max_num_seqs=sched.max_num_seqs,
         enforce_eager=config.enforce_eager,
@@ -141,5 +150,6 @@ def preview_engine(config: EngineConfig) -> EnginePreview:
     source = open_model(config.model)
     backend = select_attention(config, source.config, device)
     max_model_len = resolve_max_model_len(config, source.config)
-    plan = resolve_plan(config, backend, device, None)
+    config = for_hybrid_model(config, source.config)
+    plan = resolve_plan(config, backend, device, None, source.config)
     return EnginePreview(config, device, source, backend, max_model_len, plan)

@@ -36,7 +36,26 @@ def _model_rows(path: str, m: ModelConfig, tokenizer: Tokenizer) -> list[tuple[s
         ("rope", f"theta {m.rope_theta:g}, scaling {m.rope_scaling or 'none'}"),
         ("tied embeddings", str(m.tie_word_embeddings)),
         *_moe_rows(m),
+        *_hybrid_rows(m),
         ("chat template", "yes" if tokenizer.has_chat_template else "no"),
+    ]
+
+
+def _hybrid_rows(m: ModelConfig) -> list[tuple[str, str]]:
+    la = m.linear_attention
+    if la is None:
+        return []
+    linear, attention = m.linear_layer_ids, m.attention_layer_ids
+    state = la.state_bytes(torch.float32) * len(linear)
+    return [
+        ("layer types", f"Gated DeltaNet {_ranges(linear)}; attention {_ranges(attention)}"),
+        (
+            "Gated DeltaNet",
+            f"{la.num_key_heads} key heads of {la.key_head_dim}, "
+            f"{la.num_value_heads} value heads of {la.value_head_dim}, "
+            f"conv kernel {la.conv_kernel}",
+        ),
+        ("state per sequence", f"{state / 2**10:.1f} KiB in float32, all Gated DeltaNet layers"),
     ]
 
 

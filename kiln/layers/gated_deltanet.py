@@ -9,7 +9,12 @@ convolution, and the delta rule's matrix per value head) instead of a KV cache.
     out_proj(RMSNorm(o) * SiLU(z))
 
 The states live in two tensors per layer that the runner allocates and binds, indexed by the
-sequence's state slot; `StateRows` says which rows of the step belong to which slot."""
+sequence's state slot; `StateMetadata` says which rows of the step belong to which slot.
+
+The convolution and the delta rule (reading and writing the slots) are one registered op,
+`kiln::gdn_core`, a splitting op of compiled graphs like attention: its per-request loop asks
+the host for the batch's shape, so it runs eagerly between compiled pieces and is never inside
+a CUDA graph (`GDN_GRAPH_SUPPORT`); the projections and norms around it are compiled."""
 
 from __future__ import annotations
 
@@ -17,12 +22,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.attention.backend import StateRows
+from kiln.attention.backend import StateMetadata
+from kiln.config.graph_plan import GraphSupport
 from kiln.layers import delta_rule
 from kiln.layers.linear import Linear
 from kiln.layers.norm import GatedRMSNorm
 
 DECODE_RULE_UP_TO = 4  # tokens a request computes token by token; longer: in blocks
+GDN_OP = "kiln::gdn_core"
+GDN_GRAPH_SUPPORT = GraphSupport.NEVER  # the PyTorch core reads the batch's shape on the host
 
 
 class GatedDeltaNet(nn.Module):
@@ -50,48 +58,76 @@ class GatedDeltaNet(nn.Module):
     def bind_states(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
 
-    def forward(self, x: torch.Tensor, rows: StateRows) -> torch.Tensor:
-        tokens, per_key = x.shape[0], self.value_heads // self.key_heads
-        dk, dv = self.key_dim, self.value_dim
-        qkvz = self.in_proj_qkvz(x).view(tokens, self.key_heads, -1)
+    def forward(self, x: torch.Tensor, state: StateMetadata) -> torch.Tensor:
+        # explicit sizes, never -1 beside the token count: Dynamo traces it as an unbacked size
+        tokens, hk, hv = x.shape[0], self.key_heads, self.value_heads
+        dk, dv, per_key = self.key_dim, self.value_dim, hv // hk
+        qkvz = self.in_proj_qkvz(x).view(tokens, hk, 2 * dk + 2 * per_key * dv)
         q, k, v, z = qkvz.split([dk, dk, per_key * dv, per_key * dv], dim=-1)
-        b, a = self.in_proj_ba(x).view(tokens, self.key_heads, -1).split(per_key, dim=-1)
-        mixed = torch.cat([t.reshape(tokens, -1) for t in (q, k, v)], dim=-1)
-        beta = b.reshape(tokens, -1).float().sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, -1).float() + self.dt_bias)
-        core = self._core(mixed, decay, beta, rows)  # [tokens, value heads, dv]
-        out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
-        return self.out_proj(out.view(tokens, -1))
-
-    def _core(self, mixed, decay, beta, rows: StateRows) -> torch.Tensor:
-        """Convolution and delta rule per request, each reading and writing its state slot;
-        rows after the requests' (padding) stay zero."""
+        b, a = self.in_proj_ba(x).view(tokens, hk, 2 * per_key).split(per_key, dim=-1)
+        mixed = torch.cat([q.reshape(tokens, hk * dk), k.reshape(tokens, hk * dk),
+                           v.reshape(tokens, hv * dv)], dim=-1)  # fmt: skip
+        beta = b.reshape(tokens, hv).float().sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, hv).float() + self.dt_bias)
         if self.conv_states is None or self.recurrent_states is None:
             raise RuntimeError("the Gated DeltaNet states were not bound before a forward")
-        out = mixed.new_zeros(mixed.shape[0], self.value_heads, self.value_dim)
-        weight = self.conv1d.weight[:, 0]
-        for start, end, slot, fresh in rows.rows:
-            if fresh:
-                self.conv_states[slot].zero_()
-                self.recurrent_states[slot].zero_()
-            conv, self.conv_states[slot] = delta_rule.causal_conv(
-                mixed[start:end], weight, self.conv_states[slot]
-            )
-            q, k, v = self._heads(conv)
-            rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
-            o, self.recurrent_states[slot] = rule(
-                q, k, v, decay[start:end].t(), beta[start:end].t(), self.recurrent_states[slot]
-            )
-            out[start:end] = o.transpose(0, 1).to(out.dtype)
-        return out
+        # allocated here, in the compiled piece before the op (as attention's output)
+        core = x.new_empty(tokens, self.value_heads, dv)
+        torch.ops.kiln.gdn_core(
+            mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
+            self.conv_states, self.recurrent_states, core, state.query_start_loc,
+            state.seq_lens, state.state_slots, self.key_heads, dk,
+        )  # fmt: skip
+        out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+        return self.out_proj(out.view(tokens, hv * dv))
 
-    def _heads(self, conv: torch.Tensor):
-        """q, k, v as [value heads, tokens, dim] float32, q and k L2-normalised, q scaled; each
-        key head serves value_heads / key_heads consecutive value heads."""
-        tokens, hk, dk = conv.shape[0], self.key_heads, self.key_dim
-        q, k, v = conv.float().split([hk * dk, hk * dk, self.value_heads * self.value_dim], -1)
-        per_key = self.value_heads // hk
-        q = delta_rule.l2_normalize(q.view(tokens, hk, dk)) * dk**-0.5
-        k = delta_rule.l2_normalize(k.view(tokens, hk, dk))
-        q, k = (t.repeat_interleave(per_key, dim=1).transpose(0, 1) for t in (q, k))
-        return q, k, v.view(tokens, self.value_heads, self.value_dim).transpose(0, 1)
+
+def _gdn_core(
+    mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
+    conv_states: torch.Tensor, recurrent_states: torch.Tensor, out: torch.Tensor,
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
+    key_heads: int, key_dim: int,
+) -> None:  # fmt: skip
+    """Convolution and delta rule per request, each reading and writing its state slot (a
+    request's first chunk starts from an empty state); rows past the requests' (padding up to
+    a graph's size) are zero."""
+    starts = query_start_loc.tolist()
+    out[starts[-1] :].zero_()
+    weight = conv_weight[:, 0]
+    for start, end, length, slot in zip(starts, starts[1:], seq_lens.tolist(),
+                                        state_slots.tolist()):  # fmt: skip
+        if length == end - start:  # nothing before this chunk
+            conv_states[slot].zero_()
+            recurrent_states[slot].zero_()
+        conv, conv_states[slot] = delta_rule.causal_conv(
+            mixed[start:end], weight, conv_states[slot]
+        )
+        q, k, v = _heads(conv, key_heads, key_dim, out.shape[1], out.shape[2])
+        rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
+        o, recurrent_states[slot] = rule(
+            q, k, v, decay[start:end].t(), beta[start:end].t(), recurrent_states[slot]
+        )
+        out[start:end] = o.transpose(0, 1).to(out.dtype)
+
+
+def _heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
+    """q, k, v as [value heads, tokens, dim] float32, q and k L2-normalised, q scaled; each key
+    head serves value_heads / key_heads consecutive value heads."""
+    tokens = conv.shape[0]
+    q, k, v = conv.float().split([key_heads * key_dim] * 2 + [value_heads * value_dim], -1)
+    q = delta_rule.l2_normalize(q.view(tokens, key_heads, key_dim)) * key_dim**-0.5
+    k = delta_rule.l2_normalize(k.view(tokens, key_heads, key_dim))
+    per_key = value_heads // key_heads
+    q, k = (t.repeat_interleave(per_key, dim=1).transpose(0, 1) for t in (q, k))
+    return q, k, v.view(tokens, value_heads, value_dim).transpose(0, 1)
+
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define(
+    "gdn_core(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
+    "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) out, "
+    "Tensor query_start_loc, Tensor seq_lens, Tensor state_slots, int key_heads, "
+    "int key_dim) -> ()"
+)
+_LIB.impl("gdn_core", _gdn_core, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln::gdn_core", lambda *args: None, lib=_LIB)

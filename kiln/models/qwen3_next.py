@@ -40,7 +40,8 @@ class GatedAttention(nn.Module):
         q = apply_partial_rotary(self.q_norm(q), *rope)
         k = apply_partial_rotary(self.k_norm(k.view(tokens, a.num_kv_heads, a.head_dim)), *rope)
         out = a(q, k, v.reshape(tokens, a.num_kv_heads, a.head_dim), meta)
-        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, -1)))
+        # explicit sizes, never -1 beside the token count: Dynamo traces it as an unbacked size
+        return self.o_proj(out * torch.sigmoid(gate.reshape(tokens, a.num_heads * a.head_dim)))
 
 
 class HybridLayer(nn.Module):
@@ -67,7 +68,7 @@ class HybridLayer(nn.Module):
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
         if hasattr(self, "linear_attn"):
-            h = self.linear_attn(h, meta.state_rows)
+            h = self.linear_attn(h, meta.state)
         else:
             h = self.self_attn(h, rope, meta)
         x = x + h
@@ -86,6 +87,9 @@ class Qwen3NextForCausalLM(nn.Module):
         self.layers = nn.ModuleList(HybridLayer(cfg, backend, i) for i in range(cfg.num_layers))
         self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        # the checkpoint's multi-token-prediction head (mtp.*), kept as loaded: its proposer
+        # is speculative decoding's; transformers drops these tensors
+        self.mtp_weights: dict[str, torch.Tensor] = {}
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata

@@ -107,6 +107,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         name = raw_name.removeprefix("model.")
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
+        if name.startswith("mtp.") and hasattr(model, "mtp_weights"):
+            model.mtp_weights[name] = tensor  # the MTP head, for speculative decoding
+            continue
         with torch.no_grad():
             expert_keys = _load_expert(model, name, tensor) if "layers." in name else None
             if expert_keys is not None:
@@ -122,6 +125,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 _copy(params[name], name, tensor)
                 key = name
         loaded.add(key)
+    if getattr(model, "mtp_weights", None):
+        logger.info("kept %d multi-token-prediction tensors (mtp.*) for speculative decoding",
+                    len(model.mtp_weights))  # fmt: skip
     missing = sorted(_expected_keys(model) - loaded)
     if missing:
         shown = ", ".join(k.split("#")[0] for k in missing[:5])

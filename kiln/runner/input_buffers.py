@@ -42,6 +42,7 @@ class InputBuffers:
         # two past the requests: the end of the last one, then of the padding rows after it
         self.query_start_loc = buf(max_seqs + 2, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
+        self.state_slots = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
 
@@ -73,6 +74,7 @@ class InputBuffers:
         self.write(self.positions, pos)
         self.write(self.slot_mapping, slots)
         self.write(self.seq_lens, lens)
+        self.write(self.state_slots, [row.state_slot for row in rows])
         self.write(self.block_tables, tables)
         tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
         self.write(self.query_start_loc, starts + tail)
@@ -107,6 +109,7 @@ class InputBuffers:
             slot_mapping=self.slot_mapping[:num_tokens],
             query_start_loc=self.query_start_loc[: num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],
+            state_slots=self.state_slots[:num_reqs],
             block_tables=self.block_tables[: num_reqs * width].view(num_reqs, width),
             num_actual_tokens=num_actual,
             num_decodes=num_decodes,

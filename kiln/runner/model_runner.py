@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, StateRows
+from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, StateMetadata
 from kiln.compiler.precompile import TraceFile, compiled_forward
 from kiln.compiler.split_backend import SplitBackend, mark_dynamic_dims, restorer_of_marks
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
@@ -40,7 +40,6 @@ class StepInputs:
     query_lens: list[int]  # per request, in layout order
     sample_rows: torch.Tensor  # index of the last token of each sampling sequence
     sampling_seqs: list[Sequence]
-    state_slots: list[int]  # per request, in layout order (hybrid models; else -1)
 
 
 @dataclass(frozen=True)
@@ -182,8 +181,7 @@ class ModelRunner:
         num_decodes = sum(1 for n in query_lens if n == 1)
         layout = self.buffers.fill(rows, num_decodes)
         sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
-        slots = [row.state_slot for row in rows]
-        return StepInputs(layout, query_lens, sample_at, sampling, slots)
+        return StepInputs(layout, query_lens, sample_at, sampling)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
@@ -198,8 +196,6 @@ class ModelRunner:
             size = padded_token_count(layout.num_tokens, self.buffers.max_tokens)
             layout = self.buffers.pad(layout, size)
         args = self.model_inputs(layout)  # a FULL graph reads them where they were written
-        if self.linear_layers:
-            args[2].state_rows = StateRows.of(layout, inputs.state_slots)
         if mode is RuntimeMode.FULL:
             return self.full.run(layout.num_tokens)
         if mode is RuntimeMode.NONE:
@@ -216,6 +212,8 @@ class ModelRunner:
         """The forward's arguments for a laid-out batch: token ids, positions, and the
         attention backend's metadata built from the layout."""
         meta = self.attn_builder.build(layout)
+        if self.linear_layers:
+            meta.state = StateMetadata(layout.query_start_loc, layout.seq_lens, layout.state_slots)
         return self.buffers.input_ids[: layout.num_tokens], layout.positions, meta
 
     def _record_miss(self, wanted: Dispatch) -> None:
