@@ -28,6 +28,15 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
+QWEN3_5_LINEAR = dict(
+    layer_types=["linear_attention", "full_attention"],
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+    linear_key_head_dim=16,
+    linear_value_head_dim=8,
+    linear_conv_kernel_dim=4,
+)
+
 TINY_VARIANTS = {
     "llama": ("LlamaConfig", dict(tie_word_embeddings=False)),
     "llama_tied_llama3rope": (
@@ -77,6 +86,18 @@ TINY_VARIANTS = {
             linear_key_head_dim=16,
             linear_value_head_dim=8,
             linear_conv_kernel_dim=4,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+        ),
+    ),
+    # Qwen3.5's text models: q/k/v, z, b and a projected apart; dense, and with experts
+    "qwen3_5": ("Qwen3_5TextConfig", dict(QWEN3_5_LINEAR)),
+    "qwen3_5_moe": (
+        "Qwen3_5MoeTextConfig",
+        dict(
+            QWEN3_5_LINEAR,
             num_experts=4,
             num_experts_per_tok=2,
             moe_intermediate_size=32,

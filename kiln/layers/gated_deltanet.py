@@ -2,7 +2,8 @@
 memory of the past is a fixed-size state per sequence (the last inputs of a causal
 convolution, and the delta rule's matrix per value head) instead of a KV cache.
 
-    q, k, v, z, b, a = in_proj_qkvz(x), in_proj_ba(x)   (grouped by key head, as HF stores it)
+    q, k, v, z, b, a = in_proj_qkvz(x), in_proj_ba(x)   (Qwen3-Next: grouped by key head)
+                     = in_proj_qkv(x), in_proj_z(x), in_proj_b(x), in_proj_a(x)   (Qwen3.5)
     q, k, v = SiLU(causal_conv(q, k, v))                 (depthwise, continuing from the state)
     g = -exp(A_log) * softplus(a + dt_bias),  beta = sigmoid(b)
     o = gated_delta_rule(l2norm(q) / sqrt(dk), l2norm(k), v, g, beta)   (float32)
@@ -36,14 +37,23 @@ GDN_GRAPH_SUPPORT = GraphSupport.NEVER  # the PyTorch core reads the batch's sha
 class GatedDeltaNet(nn.Module):
     def __init__(
         self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
-        conv_kernel: int, eps: float,
+        conv_kernel: int, eps: float, grouped_projections: bool = True,
     ) -> None:  # fmt: skip
+        """`grouped_projections`: Qwen3-Next's two input matrices (rows grouped by key head);
+        else Qwen3.5's four (q/k/v flat, then z, b and a)."""
         super().__init__()
         self.key_heads, self.value_heads = key_heads, value_heads
         self.key_dim, self.value_dim = key_dim, value_dim
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
-        self.in_proj_qkvz = Linear(hidden, 2 * key_heads * key_dim + 2 * value_heads * value_dim)
-        self.in_proj_ba = Linear(hidden, 2 * value_heads)
+        self.grouped = grouped_projections
+        if grouped_projections:
+            self.in_proj_qkvz = Linear(hidden, self.conv_dim + value_heads * value_dim)
+            self.in_proj_ba = Linear(hidden, 2 * value_heads)
+        else:
+            self.in_proj_qkv = Linear(hidden, self.conv_dim)
+            self.in_proj_z = Linear(hidden, value_heads * value_dim)
+            self.in_proj_b = Linear(hidden, value_heads)
+            self.in_proj_a = Linear(hidden, value_heads)
         self.conv1d = nn.Module()  # holds `weight` [conv_dim, 1, kernel], HF's name and shape
         self.conv1d.weight = nn.Parameter(
             torch.empty(self.conv_dim, 1, conv_kernel), requires_grad=False
@@ -58,17 +68,25 @@ class GatedDeltaNet(nn.Module):
     def bind_states(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
 
-    def forward(self, x: torch.Tensor, state: StateMetadata) -> torch.Tensor:
-        # explicit sizes, never -1 beside the token count: Dynamo traces it as an unbacked size
+    def _project(self, x: torch.Tensor):
+        """(q|k|v [T, conv_dim], z [T, hv * dv], b [T, hv], a [T, hv]). Explicit sizes, never
+        -1 beside the token count: Dynamo traces that as an unbacked size and guards on it."""
         tokens, hk, hv = x.shape[0], self.key_heads, self.value_heads
         dk, dv, per_key = self.key_dim, self.value_dim, hv // hk
+        if not self.grouped:
+            return self.in_proj_qkv(x), self.in_proj_z(x), self.in_proj_b(x), self.in_proj_a(x)
         qkvz = self.in_proj_qkvz(x).view(tokens, hk, 2 * dk + 2 * per_key * dv)
         q, k, v, z = qkvz.split([dk, dk, per_key * dv, per_key * dv], dim=-1)
         b, a = self.in_proj_ba(x).view(tokens, hk, 2 * per_key).split(per_key, dim=-1)
         mixed = torch.cat([q.reshape(tokens, hk * dk), k.reshape(tokens, hk * dk),
                            v.reshape(tokens, hv * dv)], dim=-1)  # fmt: skip
-        beta = b.reshape(tokens, hv).float().sigmoid()
-        decay = -self.A_log.float().exp() * F.softplus(a.reshape(tokens, hv).float() + self.dt_bias)
+        return mixed, z.reshape(tokens, hv * dv), b.reshape(tokens, hv), a.reshape(tokens, hv)
+
+    def forward(self, x: torch.Tensor, state: StateMetadata) -> torch.Tensor:
+        tokens, hv, dv = x.shape[0], self.value_heads, self.value_dim
+        mixed, z, b, a = self._project(x)
+        beta = b.float().sigmoid()
+        decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)
         if self.conv_states is None or self.recurrent_states is None:
             raise RuntimeError("the Gated DeltaNet states were not bound before a forward")
         # allocated here, in the compiled piece before the op (as attention's output)
@@ -76,7 +94,7 @@ class GatedDeltaNet(nn.Module):
         torch.ops.kiln.gdn_core(
             mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
             self.conv_states, self.recurrent_states, core, state.query_start_loc,
-            state.seq_lens, state.state_slots, self.key_heads, dk,
+            state.seq_lens, state.state_slots, self.key_heads, self.key_dim,
         )  # fmt: skip
         out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(out.view(tokens, hv * dv))

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from kiln.attention import AttentionBackend
 from kiln.errors import ModelLoadError
-from kiln.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from kiln.models.config import HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
 from kiln.models.interface import CausalModel
 from kiln.models.llama import CausalLM
-from kiln.models.qwen3_next import Qwen3NextForCausalLM
+from kiln.models.qwen3_next import HybridCausalLM
 
 _MODEL_CLASSES = {arch: CausalLM for arch in SUPPORTED_ARCHITECTURES}
-_MODEL_CLASSES["Qwen3NextForCausalLM"] = Qwen3NextForCausalLM
+_MODEL_CLASSES.update(dict.fromkeys(HYBRID_ARCHITECTURES, HybridCausalLM))
 
 
 def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalModel:

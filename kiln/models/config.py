@@ -15,7 +15,12 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Qwen3MoeForCausalLM",
     "Qwen3NextForCausalLM",
+    "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForCausalLM",
 )
+# Gated DeltaNet models; Qwen3.5 projects q/k/v, z, b and a separately, Qwen3-Next in two
+# matrices grouped by key head
+HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -43,6 +48,7 @@ class LinearAttentionConfig:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    grouped_projections: bool = True  # Qwen3-Next's in_proj_qkvz / in_proj_ba; else Qwen3.5's
 
     @property
     def conv_dim(self) -> int:  # q, k and v go through the convolution together
@@ -197,7 +203,7 @@ def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
             rope_scaling=scaling,
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "Qwen2ForCausalLM"),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Qwen3NextForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *HYBRID_ARCHITECTURES),
             hidden_act=cfg.get("hidden_act", "silu"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
@@ -218,21 +224,23 @@ def _moe_from_hf(cfg: dict[str, Any]) -> dict[str, Any]:
         return {}
     only_dense = set(cfg.get("mlp_only_layers") or [])
     step = cfg.get("decoder_sparse_step") or 1
-    layers = cfg["num_hidden_layers"]
+    layers, qwen3_5 = cfg["num_hidden_layers"], cfg.get("model_type") == "qwen3_5_moe_text"
     sparse = tuple(i for i in range(layers) if i not in only_dense and (i + 1) % step == 0)
     moe = MoEConfig(
         num_experts=experts,
         top_k=cfg["num_experts_per_tok"],
         intermediate_size=cfg["moe_intermediate_size"],
-        norm_topk_prob=cfg.get("norm_topk_prob", True),
+        # Qwen3.5-MoE's router always renormalises (its config has no such field)
+        norm_topk_prob=cfg.get("norm_topk_prob", True) or qwen3_5,
         shared_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
     return {"moe": moe, "sparse_layers": sparse}
 
 
 def _hybrid_from_hf(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
-    """Qwen3-Next's layer pattern, its Gated DeltaNet shape and its attention's details."""
-    if arch != "Qwen3NextForCausalLM":
+    """Qwen3-Next's and Qwen3.5's layer pattern, Gated DeltaNet shape and attention details.
+    Qwen3.5's mRoPE reduces to RoPE for text: its three position rows are equal then."""
+    if arch not in HYBRID_ARCHITECTURES:
         return {}
     params = cfg.get("rope_parameters") or {}
     linear = LinearAttentionConfig(
@@ -241,6 +249,7 @@ def _hybrid_from_hf(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
         key_head_dim=cfg["linear_key_head_dim"],
         value_head_dim=cfg["linear_value_head_dim"],
         conv_kernel=cfg["linear_conv_kernel_dim"],
+        grouped_projections=arch == "Qwen3NextForCausalLM",
     )
     return {
         "layer_types": tuple(cfg["layer_types"]),
@@ -258,4 +267,6 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen3_next": "Qwen3NextForCausalLM",
+    "qwen3_5_text": "Qwen3_5ForCausalLM",
+    "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
 }

@@ -1,8 +1,9 @@
-"""Qwen3-Next (`Qwen3NextForCausalLM`): a hybrid of Gated DeltaNet layers and gated attention
-layers, as the config's `layer_types` lays them out, with mixture-of-experts MLPs behind a shared
-expert. Its norms are zero-centred (x * (1 + w)); its attention has a sigmoid output gate (q_proj
-twice as wide, a gate beside each query head) and rotates only the first
-`partial_rotary_factor` of each head."""
+"""Qwen3-Next (`Qwen3NextForCausalLM`) and the Qwen3.5 text models (`Qwen3_5ForCausalLM`,
+`Qwen3_5MoeForCausalLM`): hybrids of Gated DeltaNet layers and gated attention layers, as the
+config's `layer_types` lays them out, with dense MLPs or experts behind a shared expert. Their
+norms are zero-centred (x * (1 + w)); their attention has a sigmoid output gate (q_proj twice as
+wide, a gate beside each query head) and rotates only the first `partial_rotary_factor` of each
+head. Qwen3.5's mRoPE is RoPE for text: its three rows of positions are equal then."""
 
 from __future__ import annotations
 
@@ -54,7 +55,8 @@ class HybridLayer(nn.Module):
             la = cfg.linear_attention
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, la.num_key_heads,
                                              la.num_value_heads, la.key_head_dim,
-                                             la.value_head_dim, la.conv_kernel, eps)  # fmt: skip
+                                             la.value_head_dim, la.conv_kernel, eps,
+                                             la.grouped_projections)  # fmt: skip
         else:
             self.self_attn = GatedAttention(cfg, backend)
         if index in cfg.sparse_layers:
@@ -75,7 +77,7 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class Qwen3NextForCausalLM(nn.Module):
+class HybridCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
