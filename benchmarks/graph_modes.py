@@ -3,6 +3,7 @@ side in one run, with ratios to the first configuration.
 
     python benchmarks/graph_modes.py                      # CPU: mode 0 vs mode 3, embedded model
     python benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16   # GPU shapes
+    python benchmarks/graph_modes.py --model qwen3-next-random     # Qwen3-Next's mix, scaled
 
 On a CUDA device the default configurations are a mode-0 baseline and the five graph modes under
 mode 3, each capturing graphs at the measured batch sizes (see gpu_config); the table shows what
@@ -62,6 +63,31 @@ def random_qwen3_0_6b(dtype: str, num_layers: int = 28) -> str:
     return path
 
 
+def random_qwen3_next(dtype: str) -> str:
+    """A random-weight hybrid with Qwen3-Next's layer mix scaled to a small CPU: 8 layers, three
+    Gated DeltaNet layers to one gated-attention layer (Qwen3-Next's full_attention_interval of
+    4), 32 experts of which 4 route per token plus a shared expert, in every layer."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    path = os.path.join(tempfile.gettempdir(), f"kiln-qwen3-next-random-{dtype}")
+    if os.path.isdir(path):
+        return path
+    cfg = Qwen3NextConfig(
+        vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=8192,
+        linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+        linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=32,
+        num_experts_per_tok=4, moe_intermediate_size=128, shared_expert_intermediate_size=256,
+        layer_types=(["linear_attention"] * 3 + ["full_attention"]) * 2,
+    )  # fmt: skip
+    Qwen3NextForCausalLM(cfg).to(getattr(torch, dtype)).save_pretrained(path)
+    word_level_tokenizer(cfg.vocab_size).save_pretrained(path)
+    return path
+
+
+RANDOM_MODELS = {"qwen3-0.6b-random": random_qwen3_0_6b, "qwen3-next-random": random_qwen3_next}
+
+
 def _decode_ms(llm: LLM, batch: int, steps: int, vocab: int, salt: int) -> float:
     eng = llm.engine
     for i in range(batch):
@@ -105,7 +131,8 @@ def linears_ms(llm: LLM, passes: int = 20) -> float:
     """The b=1 decode floor that compilation cannot lower on the CPU: every linear layer of
     the model and the LM head run once at one row, through the kernels a step calls (oneDNN's
     prepacked weights), nothing else (median of `passes`). A decode step must stream these
-    weights; what it spends above this is attention, elementwise ops and host overhead."""
+    weights; what it spends above this is attention, elementwise ops and host overhead. The
+    experts of an MoE model are not linear layers: they are not in the floor."""
     from kiln.layers.linear import Linear
 
     model = llm.engine.runner.model
@@ -159,7 +186,10 @@ def table(rows: list[dict], batches: list[int]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", help="a path, or qwen3-0.6b-random (default: embedded model)")
+    parser.add_argument(
+        "--model",
+        help="a path, qwen3-0.6b-random or qwen3-next-random (default: the embedded model)",
+    )
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--batches", type=int, nargs="+")
     parser.add_argument("--prefill-len", type=int)
@@ -174,7 +204,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
-    model = random_qwen3_0_6b(args.dtype) if args.model == "qwen3-0.6b-random" else args.model
+    make = RANDOM_MODELS.get(args.model)
+    model = make(args.dtype) if make else args.model
     batches = args.batches or ([1, 8, 32, 128] if cuda else [1, 8, 32])
     if args.configs:
         configs = args.configs

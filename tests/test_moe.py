@@ -147,3 +147,16 @@ def test_kiln_info_names_the_experts_and_the_layer_types(tiny_models, capsys):
     assert "shared expert 48" in out and "Gated DeltaNet 0; attention 1" in out
     state = ((2 * 2 * 16 + 4 * 8) * 3 + 4 * 16 * 8) * 4  # as test_hybrid computes it
     assert f"state per sequence        {state / 1024:.1f} KiB" in out
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5",
+                                  "qwen3_5_moe", "llama_tied_llama3rope"])  # fmt: skip
+def test_the_parameter_count_is_the_checkpoints(tiny_models, name):
+    """`kiln info`'s parameter count against the tensors transformers saved."""
+    from safetensors import safe_open
+
+    from kiln.loader import open_model
+
+    with safe_open(os.path.join(tiny_models[name], "model.safetensors"), "pt") as f:
+        saved = sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())  # noqa: SIM118
+    assert open_model(tiny_models[name]).config.num_params == saved

@@ -144,13 +144,15 @@ class ModelConfig:
     def num_params(self) -> int:
         h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
         q = self.num_heads * (2 if self.attention_output_gate else 1)
-        mixers = (
-            len(self.attention_layer_ids) * h * d * (q + self.num_heads + 2 * self.num_kv_heads)
-        )
+        attention = h * d * (q + self.num_heads + 2 * self.num_kv_heads) + 2 * d * self.qk_norm
+        if self.attention_bias:
+            attention += d * (q + 2 * self.num_kv_heads)
+        mixers = len(self.attention_layer_ids) * attention
         if self.linear_attention is not None:
             la = self.linear_attention
             gdn = h * (la.conv_dim + la.value_dim + 2 * la.num_value_heads) + la.value_dim * h
-            mixers += len(self.linear_layer_ids) * (gdn + la.conv_dim * la.conv_kernel)
+            gdn += la.conv_dim * la.conv_kernel + la.value_head_dim + 2 * la.num_value_heads
+            mixers += len(self.linear_layer_ids) * gdn
         dense = self.num_layers - len(self.sparse_layers)
         mlps = dense * 3 * h * i
         if self.moe is not None:
