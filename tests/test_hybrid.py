@@ -1,9 +1,9 @@
 """Hybrid models (Qwen3-Next: Gated DeltaNet layers beside attention layers) in the engine:
 state slots taken and given back with a sequence's blocks (preemption and abort leak none, and
 a preempted sequence recomputed into a fresh slot gives the same tokens), the state memory
-sized beside the KV cache, prefix caching turned off loudly, mode 3 and piecewise graphs equal
-to eager (FULL resolved loudly: the GDN op is not capturable). HF parity is in test_parity.py,
-the delta rule in test_gdn.py."""
+sized beside the KV cache, prefix hits starting from the saved state, mode 3 and piecewise
+graphs equal to eager (FULL resolved loudly: the GDN op is not capturable). HF parity is in
+test_parity.py, the delta rule in test_gdn.py."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ import torch
 from kiln import SamplingParams
 from kiln.boot.kv_cache import state_bytes_per_sequence
 from kiln.config import CompilationConfig
+from kiln.engine.state_checkpoints import StateCheckpoints
 from kiln.engine.state_slots import StateSlots
-from kiln.errors import ConfigError
 from kiln.loader import open_model
 from tests.helpers import make_engine, run_schedule
 
@@ -44,6 +44,20 @@ def test_preempted_sequences_recompute_into_fresh_slots(tiny_models):
     for engine in (roomy, tight):
         slots = engine.blocks.state_slots
         assert slots.num_free == slots.num_slots == 16
+
+
+def test_preemption_with_prefix_caching_gives_the_same_tokens(tiny_models):
+    """Preempted sequences come back through their own cached blocks and saved states."""
+    path = tiny_models["qwen3_next"]
+    roomy = make_engine(path, block_size=4, max_num_batched_tokens=16, prefix_caching=False)
+    tight = make_engine(path, block_size=4, max_num_batched_tokens=16, max_model_len=64,
+                        kv_cache_memory=_kv_bytes(path, 64) + _state_bytes(path, 32))  # fmt: skip
+    expected, _ = run_schedule(roomy, _workload())
+    got, _ = run_schedule(tight, _workload())
+    assert tight.stats().num_preemptions > 0
+    assert tight.stats().prefix_cache_hit_tokens > 0  # some came back through a hit
+    for rid, out in expected.items():
+        assert got[rid].outputs[0].token_ids == out.outputs[0].token_ids
 
 
 def _kv_bytes(path: str, tokens: int) -> int:
@@ -92,19 +106,32 @@ def test_slots_refuse_a_double_give_back():
         slots.give_back(a)
 
 
-def test_prefix_caching_is_turned_off_loudly(tiny_models, caplog):
-    path = tiny_models["qwen3_next"]
-    with caplog.at_level(logging.WARNING, logger="kiln.boot.preview"):
-        engine = make_engine(path)
-    assert not engine.config.cache.enable_prefix_caching
-    warnings = [r.getMessage() for r in caplog.records]
-    assert any("prefix caching is off" in w and "--no-enable-prefix-caching" in w for w in warnings)
-    with pytest.raises(ConfigError, match="strict-graphs"):
-        make_engine(path, strict_graphs=True)
-    caplog.clear()
-    with caplog.at_level(logging.WARNING, logger="kiln.boot.preview"):
-        make_engine(path, prefix_caching=False)  # what it can do: nothing to say
-    assert not caplog.records
+def test_a_prefix_hit_starts_from_the_saved_state(tiny_models):
+    """The same 45-token prompt twice, the second after the first has finished: the second
+    hits the prefix cache up to the last block end whose state was saved (the first's chunks
+    of 16 end at 16, 32 and 45: block ends 16 and 32 with bs 8 and chunk 16), and its greedy
+    tokens and logits equal the first's."""
+    engine = make_engine(tiny_models["qwen3_next"], block_size=8, max_num_batched_tokens=16)
+    prompt = _workload()[3][1]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    first, first_logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    again, again_logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    assert first["0"].num_cached_tokens == 0 and again["0"].num_cached_tokens == 40
+    assert again["0"].outputs[0].token_ids == first["0"].outputs[0].token_ids
+    a, b = torch.stack(again_logits["0"]), torch.stack(first_logits["0"])
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+    slots = engine.blocks.state_slots
+    assert slots.num_free == slots.num_slots
+
+
+def test_checkpoints_are_a_bounded_lru_pool():
+    pool = StateCheckpoints(2)
+    a, b = pool.reserve(111), pool.reserve(222)
+    assert {a, b} == {0, 1} and pool.lookup(111) == a  # 111 now the most recently used
+    c = pool.reserve(333)  # evicts 222, the least recently used
+    assert c == b and pool.lookup(222) is None and pool.lookup(111) == a and len(pool) == 2
+    pool.clear()
+    assert pool.lookup(111) is None and len(pool) == 0
 
 
 def _assert_same(engine, reference) -> None:
@@ -124,8 +151,9 @@ def eager_reference(tiny_models):
 
 
 def _engine(path: str, compilation: CompilationConfig, **kw):
-    return make_engine(path, block_size=4, max_num_batched_tokens=16, prefix_caching=False,
-                       max_num_seqs=8, compilation=compilation, **kw)  # fmt: skip
+    """Prefix caching on: the workload shares no prefix, but every step saves states."""
+    return make_engine(path, block_size=4, max_num_batched_tokens=16, max_num_seqs=8,
+                       compilation=compilation, **kw)  # fmt: skip
 
 
 def test_mode_3_equals_eager(tiny_models, eager_reference):
@@ -161,20 +189,18 @@ def test_graphs_split_at_both_ops_and_full_resolves_to_piecewise(
 
 
 def test_the_server_streams_a_hybrid_model(tiny_models):
-    """`kiln serve` with the tiny Qwen3-Next: a streamed answer equals the one-shot answer
-    to the same greedy request, and a repeated prompt answers the same (no prefix hit: prefix
-    caching is off for hybrid models, and usage says so)."""
+    """`kiln serve` with the tiny Qwen3-Next: a repeated prompt is a prefix hit (usage says
+    so) with the same answer, and a streamed answer equals the one-shot ones."""
     import json
 
     import httpx
 
     from tests.server_helpers import ServerProcess
 
-    server = ServerProcess(tiny_models["qwen3_next"], "--kv-cache-memory", "16MiB",
-                           "--no-enable-prefix-caching")  # fmt: skip
+    server = ServerProcess(tiny_models["qwen3_next"], "--kv-cache-memory", "16MiB")
     try:
-        body = {"prompt": "The lighthouse keeper wrote", "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True}  # fmt: skip
+        prompt = " ".join(["The lighthouse keeper wrote a long letter to the sea."] * 6)
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
         url = server.base + "/v1/completions"
         first = httpx.post(url, json=body, timeout=60).json()
         again = httpx.post(url, json=body, timeout=60).json()
@@ -184,8 +210,8 @@ def test_the_server_streams_a_hybrid_model(tiny_models):
         streamed = "".join(json.loads(x)["choices"][0]["text"] for x in lines[:-1])
         assert first["choices"][0]["text"] == again["choices"][0]["text"] == streamed
         assert first["usage"]["completion_tokens"] == 12
-        details = again["usage"].get("prompt_tokens_details") or {}
-        assert details.get("cached_tokens", 0) == 0
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         info = httpx.get(server.base + "/v1/engine", timeout=30).json()
         assert info["stats"]["num_running"] == 0
     finally:

@@ -37,6 +37,10 @@ class BatchLayout:
     seq_lens: torch.Tensor  # [B] int32, KV length of each request after this step
     block_tables: torch.Tensor  # [B, W] int32, a view of block_tables_buffer
     state_slots: torch.Tensor  # [B] int32, each request's state slot (hybrid models; else -1)
+    # [B] int32: after how many of its tokens a request's state is saved, and into which
+    # checkpoint (hybrid prefix caching; -1: not this step)
+    checkpoint_at: torch.Tensor
+    checkpoint_entries: torch.Tensor
     num_actual_tokens: int
     num_decodes: int
     max_seq_len: int
@@ -59,14 +63,22 @@ class BatchLayout:
 class StateMetadata:
     """What layers with a state per sequence (Gated DeltaNet) read of a step: each request's
     rows of the flat batch, its KV length after the step (equal to its row count: its first
-    chunk, from an empty state) and its state slot. Views of the runner's persistent buffers."""
+    chunk, from an empty state), its state slot and where its state is checkpointed. Views of
+    the runner's persistent buffers."""
 
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
     state_slots: torch.Tensor  # [B] int32
+    checkpoint_at: torch.Tensor  # [B] int32, see BatchLayout
+    checkpoint_entries: torch.Tensor  # [B] int32
+
+    @classmethod
+    def of(cls, layout: BatchLayout) -> StateMetadata:
+        return cls(layout.query_start_loc, layout.seq_lens, layout.state_slots,
+                   layout.checkpoint_at, layout.checkpoint_entries)  # fmt: skip
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(self.query_start_loc, (0,)), (self.seq_lens, (0,)), (self.state_slots, (0,))]
+        return [(t, (0,)) for t in vars(self).values()]
 
 
 class AttentionMetadata:

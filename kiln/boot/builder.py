@@ -15,7 +15,6 @@ from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.preview import (
     for_device,
-    for_hybrid_model,
     resolve_max_model_len,
     resolve_plan,
     select_attention,
@@ -31,6 +30,7 @@ from kiln.config.engine import EngineConfig
 from kiln.config.graph_plan import GraphPlan
 from kiln.cudagraphs.graph_backend import GraphBackend
 from kiln.engine.llm_engine import BootReport, LLMEngine
+from kiln.engine.state_checkpoints import num_state_checkpoints
 from kiln.errors import ConfigError
 from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import ModelSource, open_model
@@ -55,7 +55,6 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)
-        config = for_hybrid_model(config, source.config)
         tokenizer = source.load_tokenizer()
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)
@@ -176,8 +175,12 @@ def _allocate_kv_cache(
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
-    num_blocks = size_kv_cache(config.cache, source.config, dtype, runner.device, max_model_len,
-                               config.scheduler.max_num_seqs, graph_reserve)  # fmt: skip
+    checkpoints = num_state_checkpoints(config, source.config.is_hybrid)
+    runner.num_state_checkpoints = checkpoints
+    num_blocks = size_kv_cache(
+        config.cache, source.config, dtype, runner.device, max_model_len,
+        config.scheduler.max_num_seqs, graph_reserve, checkpoints,
+    )  # fmt: skip
     runner.allocate_kv_cache(num_blocks, dtype)
     if config.cache.kv_cache_memory is not None:
         capture.fit_beside_fixed_kv(available_memory(runner.device), config.strict_graphs)

@@ -66,14 +66,15 @@ def size_kv_cache(
     max_model_len: int,
     max_num_seqs: int,
     graph_reserve: int = 0,
+    state_checkpoints: int = 0,
 ) -> int:
     """The number of KV blocks, or an error naming the remedy when they hold less than one
-    context of `max_model_len` tokens."""
+    context of `max_model_len` tokens. A hybrid model's state slots (one per sequence the
+    scheduler may run) and prefix-cache checkpoints come out of the same budget first."""
     bs = cache.block_size
     per_block = kv_bytes_per_block(model, bs, dtype)
     per_seq = -(-max_model_len // bs)
-    # the state slots (one per sequence the scheduler may run) come out of the same budget
-    states = state_bytes_per_sequence(model, dtype) * max_num_seqs
+    states = state_bytes_per_sequence(model, dtype) * (max_num_seqs + state_checkpoints)
     reserve = graph_reserve + (states if cache.kv_cache_memory is None else 0)
     cache = _less(cache, states)
     blocks = num_kv_blocks(cache, per_block, device, per_seq * max_num_seqs + 1, reserve)
@@ -87,9 +88,11 @@ def size_kv_cache(
     if states:
         logger.info(
             "hybrid model: %d KV bytes per token (%d attention layers), %d state bytes per "
-            "sequence (%d Gated DeltaNet layers) x %d slots = %.1f MiB of state",
-            per_block // bs, len(model.attention_layer_ids), states // max_num_seqs,
-            len(model.linear_layer_ids), max_num_seqs, states / 2**20,
+            "sequence (%d Gated DeltaNet layers) x (%d slots + %d prefix-cache checkpoints) = "
+            "%.1f MiB of state",
+            per_block // bs, len(model.attention_layer_ids),
+            states // (max_num_seqs + state_checkpoints), len(model.linear_layer_ids),
+            max_num_seqs, state_checkpoints, states / 2**20,
         )  # fmt: skip
     return blocks
 

@@ -68,24 +68,6 @@ def select_attention(
     )
 
 
-def for_hybrid_model(config: EngineConfig, model: ModelConfig) -> EngineConfig:
-    """What a hybrid model (Gated DeltaNet layers) cannot do yet, turned off loudly: a WARNING
-    naming the remedy, an error with --strict-graphs."""
-    if not model.is_hybrid or not config.cache.enable_prefix_caching:
-        return config
-    _change(config, "prefix caching is off: a prefix hit would need the Gated DeltaNet state "
-            "at the end of the prefix, which kiln does not checkpoint yet",
-            "--no-enable-prefix-caching")  # fmt: skip
-    return replace(config, cache=replace(config.cache, enable_prefix_caching=False))
-
-
-def _change(config: EngineConfig, what: str, remedy: str) -> None:
-    message = f"hybrid model: {what}. Remedy: pass {remedy} to ask for this yourself"
-    if config.strict_graphs:
-        raise ConfigError(message + " (refused: --strict-graphs)")
-    logger.warning(message)
-
-
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
     limit = model.max_position_embeddings
     asked = config.scheduler.max_model_len
@@ -150,6 +132,5 @@ def preview_engine(config: EngineConfig) -> EnginePreview:
     source = open_model(config.model)
     backend = select_attention(config, source.config, device)
     max_model_len = resolve_max_model_len(config, source.config)
-    config = for_hybrid_model(config, source.config)
     plan = resolve_plan(config, backend, device, None, source.config)
     return EnginePreview(config, device, source, backend, max_model_len, plan)

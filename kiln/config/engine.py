@@ -79,7 +79,22 @@ class CacheConfig:
         ),
     )
 
+    state_checkpoints: int | None = field(  # None: as many as max_num_seqs
+        default=None,
+        metadata=option(
+            int,
+            "hybrid models with prefix caching: how many Gated DeltaNet states at block ends "
+            "are kept for prefix hits, each the size of one sequence's state (default: "
+            "max_num_seqs)",
+        ),
+    )
+
     def __post_init__(self) -> None:
+        if self.state_checkpoints is not None and self.state_checkpoints < 1:
+            raise ConfigError(
+                f"state_checkpoints must be >= 1, got {self.state_checkpoints} (turn prefix "
+                "caching off with --no-enable-prefix-caching instead)"
+            )
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from kiln.engine.sequence import Sequence
+from kiln.engine.state_checkpoints import StateCheckpoints
 from kiln.engine.state_slots import StateSlots
 
 
@@ -30,10 +31,11 @@ class PrefixCacheStats:
 class BlockManager:
     def __init__(
         self, num_blocks: int, block_size: int, enable_prefix_caching: bool,
-        state_slots: StateSlots | None = None,
+        state_slots: StateSlots | None = None, checkpoints: StateCheckpoints | None = None,
     ) -> None:  # fmt: skip
-        """`state_slots`: a hybrid model's, taken and given back with a sequence's blocks."""
-        self.state_slots = state_slots
+        """`state_slots`: a hybrid model's, taken and given back with a sequence's blocks;
+        `checkpoints`: its states at block ends, without which a prefix hit cannot be used."""
+        self.state_slots, self.checkpoints = state_slots, checkpoints
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
@@ -76,6 +78,9 @@ class BlockManager:
             ):
                 break
             hits.append(block_id)
+        if self.checkpoints is not None:  # a hit needs the state after its last block
+            while hits and self.checkpoints.lookup(seq.block_hashes[len(hits) - 1]) is None:
+                hits.pop()
         return hits
 
     def can_admit(self, hits: list[int], num_tokens: int) -> bool:
@@ -93,6 +98,8 @@ class BlockManager:
             block.ref_count += 1
         if self.state_slots is not None:
             seq.state_slot = self.state_slots.take()
+        if self.checkpoints is not None and hits:
+            seq.restore_entry = self.checkpoints.lookup(seq.block_hashes[len(hits) - 1])
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(hits)
         seq.num_computed_tokens = len(hits) * self.block_size
@@ -106,6 +113,21 @@ class BlockManager:
 
     def append(self, seq: Sequence, num_new_tokens: int) -> None:
         self._grow(seq, seq.num_computed_tokens + num_new_tokens)
+
+    def plan_checkpoint(self, seq: Sequence, num_tokens: int) -> None:
+        """Before a step of `num_tokens`: where it saves the sequence's state, if anywhere (the
+        last block end it reaches, unless that state is saved already)."""
+        seq.checkpoint_at = seq.checkpoint_entry = -1
+        if self.checkpoints is None:
+            return
+        first, bs = seq.num_computed_tokens, self.block_size
+        boundary = (first + num_tokens) // bs * bs
+        if boundary <= first:
+            return
+        block_hash = self._hash_chain(seq, boundary // bs)[-1]
+        if self.checkpoints.lookup(block_hash) is None:
+            seq.checkpoint_at = boundary - first
+            seq.checkpoint_entry = self.checkpoints.reserve(block_hash)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
@@ -144,6 +166,8 @@ class BlockManager:
                 del self.cached[block.block_hash]
             block.block_hash, block.token_ids = None, ()
         self.stats = PrefixCacheStats()
+        if self.checkpoints is not None:
+            self.checkpoints.clear()
 
     def release(self, seq: Sequence) -> None:
         """Drop the sequence's references. Tail blocks are queued for eviction before the
@@ -159,3 +183,4 @@ class BlockManager:
         if self.state_slots is not None and seq.state_slot >= 0:
             self.state_slots.give_back(seq.state_slot)
             seq.state_slot = -1
+        seq.restore_entry = -1

@@ -21,6 +21,7 @@ from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, new_sequences, validate_prompt
 from kiln.engine.scheduler import Scheduler
 from kiln.engine.sequence import SequenceCounter
+from kiln.engine.state_checkpoints import StateCheckpoints, num_state_checkpoints
 from kiln.engine.state_slots import StateSlots
 from kiln.errors import EngineClosedError, InvalidRequestError
 from kiln.loader.tokenizer import Tokenizer
@@ -78,8 +79,13 @@ class LLMEngine:
         self.config, self.model_config, self.tokenizer = config, model_config, tokenizer
         self.runner, self.max_model_len, self.boot = runner, max_model_len, boot
         cache = config.cache
-        slots = StateSlots(config.scheduler.max_num_seqs) if model_config.is_hybrid else None
-        self.blocks = BlockManager(num_blocks, cache.block_size, cache.enable_prefix_caching, slots)
+        hybrid = model_config.is_hybrid
+        slots = StateSlots(config.scheduler.max_num_seqs) if hybrid else None
+        checkpoints = num_state_checkpoints(config, hybrid)
+        self.blocks = BlockManager(
+            num_blocks, cache.block_size, cache.enable_prefix_caching, slots,
+            StateCheckpoints(checkpoints) if checkpoints else None,
+        )  # fmt: skip
         self.scheduler = Scheduler(config.scheduler, self.blocks)
         self.output_processor = OutputProcessor(tokenizer, max_model_len)
         self.requests: dict[str, Request] = {}
@@ -168,6 +174,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.blocks.plan_checkpoint(seq, n)
         sampled = self.runner.execute(batch)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n

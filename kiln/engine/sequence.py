@@ -35,6 +35,11 @@ class Sequence:
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks already registered in the prefix cache
     state_slot: int = -1  # hybrid models: the slot of its per-layer state while admitted
+    # hybrid prefix caching (state_checkpoints.py): the checkpoint to fill the slot from before
+    # the next step, and the one this step writes, after `checkpoint_at` of its tokens
+    restore_entry: int = -1
+    checkpoint_at: int = -1
+    checkpoint_entry: int = -1
     block_hashes: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     logprobs: list[Logprobs] = field(default_factory=list)

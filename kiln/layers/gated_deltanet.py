@@ -64,9 +64,16 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = Linear(value_heads * value_dim, hidden)
         self.conv_states: torch.Tensor | None = None  # [slots, conv_dim, kernel - 1]
         self.recurrent_states: torch.Tensor | None = None  # [slots, value heads, dk, dv] fp32
+        self.saved_conv: torch.Tensor | None = None  # the same, per prefix-cache checkpoint
+        self.saved_recurrent: torch.Tensor | None = None
 
-    def bind_states(self, conv_states: torch.Tensor, recurrent_states: torch.Tensor) -> None:
+    def bind_states(
+        self, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
+        saved_conv: torch.Tensor, saved_recurrent: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """The slots' states, and the prefix cache's checkpoints of them (none: 0 rows)."""
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
+        self.saved_conv, self.saved_recurrent = saved_conv, saved_recurrent
 
     def _project(self, x: torch.Tensor):
         """(q|k|v [T, conv_dim], z [T, hv * dv], b [T, hv], a [T, hv]). Explicit sizes, never
@@ -93,8 +100,9 @@ class GatedDeltaNet(nn.Module):
         core = x.new_empty(tokens, self.value_heads, dv)
         torch.ops.kiln.gdn_core(
             mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
-            self.conv_states, self.recurrent_states, core, state.query_start_loc,
-            state.seq_lens, state.state_slots, self.key_heads, self.key_dim,
+            self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
+            core, state.query_start_loc, state.seq_lens, state.state_slots,
+            state.checkpoint_at, state.checkpoint_entries, self.key_heads, self.key_dim,
         )  # fmt: skip
         out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(out.view(tokens, hv * dv))
@@ -102,30 +110,47 @@ class GatedDeltaNet(nn.Module):
 
 def _gdn_core(
     mixed: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor, conv_weight: torch.Tensor,
-    conv_states: torch.Tensor, recurrent_states: torch.Tensor, out: torch.Tensor,
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, state_slots: torch.Tensor,
-    key_heads: int, key_dim: int,
+    conv_states: torch.Tensor, recurrent_states: torch.Tensor, saved_conv: torch.Tensor,
+    saved_recurrent: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor, state_slots: torch.Tensor, checkpoint_at: torch.Tensor,
+    checkpoint_entries: torch.Tensor, key_heads: int, key_dim: int,
 ) -> None:  # fmt: skip
     """Convolution and delta rule per request, each reading and writing its state slot (a
-    request's first chunk starts from an empty state); rows past the requests' (padding up to
-    a graph's size) are zero."""
+    request's first chunk starts from an empty state), the state copied into a checkpoint
+    after `checkpoint_at` of a request's tokens where one is asked for; rows past the
+    requests' (padding up to a graph's size) are zero."""
     starts = query_start_loc.tolist()
     out[starts[-1] :].zero_()
-    weight = conv_weight[:, 0]
-    for start, end, length, slot in zip(starts, starts[1:], seq_lens.tolist(),
-                                        state_slots.tolist()):  # fmt: skip
+    step = zip(starts, starts[1:], seq_lens.tolist(), state_slots.tolist(),
+               checkpoint_at.tolist(), checkpoint_entries.tolist())  # fmt: skip
+    for start, end, length, slot, at, entry in step:
         if length == end - start:  # nothing before this chunk
             conv_states[slot].zero_()
             recurrent_states[slot].zero_()
-        conv, conv_states[slot] = delta_rule.causal_conv(
-            mixed[start:end], weight, conv_states[slot]
-        )
-        q, k, v = _heads(conv, key_heads, key_dim, out.shape[1], out.shape[2])
-        rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
-        o, recurrent_states[slot] = rule(
-            q, k, v, decay[start:end].t(), beta[start:end].t(), recurrent_states[slot]
-        )
-        out[start:end] = o.transpose(0, 1).to(out.dtype)
+        split = start + at if at > 0 else end
+        for a, b in ((start, split), (split, end)):
+            if a < b:
+                _one_request(mixed, decay, beta, conv_weight, conv_states, recurrent_states,
+                             out, a, b, slot, key_heads, key_dim)  # fmt: skip
+            if b == split and at > 0:
+                saved_conv[entry] = conv_states[slot]
+                saved_recurrent[entry] = recurrent_states[slot]
+
+
+def _one_request(
+    mixed, decay, beta, conv_weight, conv_states, recurrent_states, out, start: int, end: int,
+    slot: int, key_heads: int, key_dim: int,
+) -> None:  # fmt: skip
+    """Rows [start, end) of one request, continuing from its slot's state."""
+    conv, conv_states[slot] = delta_rule.causal_conv(
+        mixed[start:end], conv_weight[:, 0], conv_states[slot]
+    )
+    q, k, v = _heads(conv, key_heads, key_dim, out.shape[1], out.shape[2])
+    rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
+    o, recurrent_states[slot] = rule(
+        q, k, v, decay[start:end].t(), beta[start:end].t(), recurrent_states[slot]
+    )
+    out[start:end] = o.transpose(0, 1).to(out.dtype)
 
 
 def _heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
@@ -143,8 +168,9 @@ def _heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, v
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "gdn_core(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
-    "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) out, "
-    "Tensor query_start_loc, Tensor seq_lens, Tensor state_slots, int key_heads, "
+    "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) saved_conv, "
+    "Tensor(d!) saved_recurrent, Tensor(e!) out, Tensor query_start_loc, Tensor seq_lens, "
+    "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, int key_heads, "
     "int key_dim) -> ()"
 )
 _LIB.impl("gdn_core", _gdn_core, "CompositeExplicitAutograd")

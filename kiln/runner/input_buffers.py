@@ -21,6 +21,8 @@ class BatchRow:
     first_position: int
     block_table: list[int]
     state_slot: int = -1  # hybrid models: the slot of its Gated DeltaNet states
+    checkpoint_at: int = -1  # save the state after this many of its tokens (-1: not now)
+    checkpoint_entry: int = -1  # into this checkpoint
 
 
 class InputBuffers:
@@ -43,6 +45,8 @@ class InputBuffers:
         self.query_start_loc = buf(max_seqs + 2, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
         self.state_slots = buf(max_seqs, torch.int32)
+        self.checkpoint_at = buf(max_seqs, torch.int32)
+        self.checkpoint_entries = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
 
@@ -75,6 +79,8 @@ class InputBuffers:
         self.write(self.slot_mapping, slots)
         self.write(self.seq_lens, lens)
         self.write(self.state_slots, [row.state_slot for row in rows])
+        self.write(self.checkpoint_at, [row.checkpoint_at for row in rows])
+        self.write(self.checkpoint_entries, [row.checkpoint_entry for row in rows])
         self.write(self.block_tables, tables)
         tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
         self.write(self.query_start_loc, starts + tail)
@@ -110,6 +116,8 @@ class InputBuffers:
             query_start_loc=self.query_start_loc[: num_reqs + 1],
             seq_lens=self.seq_lens[:num_reqs],
             state_slots=self.state_slots[:num_reqs],
+            checkpoint_at=self.checkpoint_at[:num_reqs],
+            checkpoint_entries=self.checkpoint_entries[:num_reqs],
             block_tables=self.block_tables[: num_reqs * width].view(num_reqs, width),
             num_actual_tokens=num_actual,
             num_decodes=num_decodes,

@@ -74,7 +74,9 @@ class ModelRunner:
         self.logits_observer: LogitsObserver | None = None  # tests: the logits tokens came from
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.linear_layers = model.linear_layers()
-        self.state_tensors: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # per GDN layer: (conv, recurrent) of the slots, then of the checkpoints
+        self.state_tensors: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        self.num_state_checkpoints = 0  # set by the boot before the cache is allocated
         self.counters = GraphCounters()
         self.graphs_captured = False  # set by the boot once every graph of the plan is
         self.pad_eager_steps = False  # kiln/runner/padding.py; set by the boot
@@ -135,17 +137,29 @@ class ModelRunner:
 
     def _allocate_states(self, dtype: torch.dtype) -> None:
         """A hybrid model's Gated DeltaNet states: one slot per sequence the scheduler may run,
-        the convolution's inputs in the model's dtype, the delta rule's matrices in float32
-        (zeroed when a sequence starts in a slot, so empty is enough here)."""
+        then the prefix cache's checkpoints (`num_state_checkpoints`), the convolution's inputs
+        in the model's dtype, the delta rule's matrices in float32 (a slot is zeroed when a
+        sequence starts in it, a checkpoint written before it is read: empty is enough)."""
         slots = self.buffers.seq_lens.numel()
         self.state_tensors = []
         for layer in self.linear_layers:
-            conv = torch.empty(slots, layer.conv_dim, layer.conv1d.weight.shape[-1] - 1,
-                               dtype=dtype, device=self.device)  # fmt: skip
-            recurrent = torch.empty(slots, layer.value_heads, layer.key_dim, layer.value_dim,
-                                    dtype=torch.float32, device=self.device)  # fmt: skip
-            layer.bind_states(conv, recurrent)
-            self.state_tensors.append((conv, recurrent))
+            states = [
+                self._state_tensors(layer, n, dtype) for n in (slots, self.num_state_checkpoints)
+            ]
+            layer.bind_states(*states[0], *states[1])
+            self.state_tensors.append(states)
+
+    def _state_tensors(self, layer, count: int, dtype: torch.dtype):
+        conv = torch.empty(count, layer.conv_dim, layer.conv1d.weight.shape[-1] - 1,
+                           dtype=dtype, device=self.device)  # fmt: skip
+        recurrent = torch.empty(count, layer.value_heads, layer.key_dim, layer.value_dim,
+                                dtype=torch.float32, device=self.device)  # fmt: skip
+        return conv, recurrent
+
+    def _restore_state(self, entry: int, slot: int) -> None:
+        for (conv, recurrent), (saved_conv, saved_recurrent) in self.state_tensors:
+            conv[slot].copy_(saved_conv[entry])
+            recurrent[slot].copy_(saved_recurrent[entry])
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -172,7 +186,11 @@ class ModelRunner:
             seq, n = batch.seqs[i], batch.num_tokens[i]
             first = seq.num_computed_tokens
             tokens = seq.token_ids[first : first + n]
-            rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot))
+            rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
+                                 seq.checkpoint_at, seq.checkpoint_entry))  # fmt: skip
+            if seq.restore_entry >= 0:  # a prefix hit starts from the state saved after it
+                self._restore_state(seq.restore_entry, seq.state_slot)
+                seq.restore_entry = -1
             query_lens.append(n)
             end += n
             if first + n == seq.num_tokens:
@@ -213,7 +231,7 @@ class ModelRunner:
         attention backend's metadata built from the layout."""
         meta = self.attn_builder.build(layout)
         if self.linear_layers:
-            meta.state = StateMetadata(layout.query_start_loc, layout.seq_lens, layout.state_slots)
+            meta.state = StateMetadata.of(layout)
         return self.buffers.input_ids[: layout.num_tokens], layout.positions, meta
 
     def _record_miss(self, wanted: Dispatch) -> None:
