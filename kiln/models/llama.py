@@ -11,13 +11,11 @@ import torch
 from torch import nn
 
 from kiln.attention import Attention, AttentionBackend, AttentionMetadata
-from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear
-from kiln.layers.mlp import SwiGLU
-from kiln.layers.moe import SparseMoE
 from kiln.layers.norm import RMSNorm
-from kiln.layers.rotary import RotaryEmbedding, apply_rotary
+from kiln.layers.rotary import apply_rotary
 from kiln.models.config import ModelConfig
+from kiln.models.decoder import DecoderLM, mlp_for
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -54,57 +52,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        if index in cfg.sparse_layers:
-            m = cfg.moe
-            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, m.num_experts, m.top_k,
-                                            m.intermediate_size, m.norm_topk_prob,
-                                            m.shared_intermediate_size)  # fmt: skip
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = mlp_for(cfg, index)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), rope, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class CausalLM(nn.Module):
-    """`forward` returns the final hidden states of every token; `compute_logits` projects only
-    the rows the sampler needs, which saves most of the LM-head cost during prefill."""
-
+class CausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.config = cfg
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return self.embed_tokens.as_lm_head(hidden).float()
-        return self.lm_head(hidden).float()
-
-    def finalize(self, device: torch.device) -> None:
-        """Post-load weight layout (see Linear.finalize)."""
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(device)
-        self.embed_tokens.finalize(device, used_as_lm_head=self.lm_head is None)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers]
-
-    def linear_layers(self) -> list[nn.Module]:
-        return []  # no layer with a state per sequence
+        norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        super().__init__(cfg, lambda i: DecoderLayer(cfg, backend, i), norm, cfg.head_dim)

@@ -11,14 +11,12 @@ import torch
 from torch import nn
 
 from kiln.attention import Attention, AttentionBackend, AttentionMetadata
-from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.gated_deltanet import GatedDeltaNet
 from kiln.layers.linear import Linear
-from kiln.layers.mlp import SwiGLU
-from kiln.layers.moe import SparseMoE
 from kiln.layers.norm import ZeroCentredRMSNorm
-from kiln.layers.rotary import RotaryEmbedding, apply_partial_rotary
+from kiln.layers.rotary import apply_partial_rotary
 from kiln.models.config import ModelConfig
+from kiln.models.decoder import DecoderLM, mlp_for
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -59,13 +57,7 @@ class HybridLayer(nn.Module):
                                              la.grouped_projections)  # fmt: skip
         else:
             self.self_attn = GatedAttention(cfg, backend)
-        if index in cfg.sparse_layers:
-            m = cfg.moe
-            self.mlp: nn.Module = SparseMoE(cfg.hidden_size, m.num_experts, m.top_k,
-                                            m.intermediate_size, m.norm_topk_prob,
-                                            m.shared_intermediate_size)  # fmt: skip
-        else:
-            self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = mlp_for(cfg, index)
 
     def forward(self, x: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         h = self.input_layernorm(x)
@@ -77,45 +69,11 @@ class HybridLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-class HybridCausalLM(nn.Module):
+class HybridCausalLM(DecoderLM):
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
-        super().__init__()
-        self.config = cfg
+        norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         rotary_dim = int(cfg.head_dim * cfg.partial_rotary_factor)
-        self.rotary = RotaryEmbedding(
-            rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(HybridLayer(cfg, backend, i) for i in range(cfg.num_layers))
-        self.norm = ZeroCentredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        super().__init__(cfg, lambda i: HybridLayer(cfg, backend, i), norm, rotary_dim)
         # the checkpoint's multi-token-prediction head (mtp.*), kept as loaded: its proposer
         # is speculative decoding's; transformers drops these tensors
         self.mtp_weights: dict[str, torch.Tensor] = {}
-
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        rope = self.rotary.cos_sin(positions, x.dtype)
-        for layer in self.layers:
-            x = layer(x, rope, meta)
-        return self.norm(x)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is None:
-            return self.embed_tokens.as_lm_head(hidden).float()
-        return self.lm_head(hidden).float()
-
-    def finalize(self, device: torch.device) -> None:
-        for module in self.modules():
-            if isinstance(module, Linear):
-                module.finalize(device)
-        self.embed_tokens.finalize(device, used_as_lm_head=self.lm_head is None)
-
-    def attention_layers(self) -> list[Attention]:
-        return [layer.self_attn.attn for layer in self.layers if hasattr(layer, "self_attn")]
-
-    def linear_layers(self) -> list[GatedDeltaNet]:
-        """The layers with a state per sequence, in order: one pair of state tensors each."""
-        return [layer.linear_attn for layer in self.layers if hasattr(layer, "linear_attn")]
