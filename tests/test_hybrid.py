@@ -233,3 +233,24 @@ def test_mtp_tensors_are_kept_not_dropped(tiny_models, tmp_path):
     engine = make_engine(str(path), prefix_caching=False)
     kept = engine.runner.model.mtp_weights
     assert set(kept) == set(mtp) and all(torch.equal(kept[k], mtp[k]) for k in mtp)
+
+
+def test_a_saved_trace_serves_only_the_state_pool_it_was_traced_with(
+    tiny_models, tmp_path, monkeypatch, caplog
+):
+    """Prefix caching on and off give the state-checkpoint pool different sizes, which Dynamo's
+    saved trace guards on: each gets a trace of its own in the compile cache entry, so a later
+    boot loads the right one instead of failing its guards every step (found as a mode-3
+    engine three times slower than a fresh one)."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    path = tiny_models["qwen3_next"]
+    traces = []
+    with caplog.at_level(logging.WARNING):
+        for prefix_caching in (True, False, True, False):
+            engine = _engine(path, CompilationConfig(mode=3), prefix_caching=prefix_caching)
+            run_schedule(engine, _workload()[:2])
+            traces.append(engine.runner.compile_stats()["dynamo_trace"])
+            assert engine.stats().graphs["recompilations"] == 0
+            engine.close()
+    assert traces == ["traced and saved", "traced and saved", "loaded", "loaded"]
+    assert not [r for r in caplog.records if "guard" in r.getMessage()]

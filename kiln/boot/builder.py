@@ -158,8 +158,9 @@ def _runner(
         trace_entry, no_trace = None, '"aot_compile": false'
     else:
         trace_entry, no_trace = entry.path, ""
+    checkpoints = num_state_checkpoints(config, model.config.is_hybrid)
     runner = ModelRunner(
-        model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace
+        model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
     )
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
@@ -175,8 +176,7 @@ def _allocate_kv_cache(
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
-    checkpoints = num_state_checkpoints(config, source.config.is_hybrid)
-    runner.num_state_checkpoints = checkpoints
+    checkpoints = runner.num_state_checkpoints
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
         config.scheduler.max_num_seqs, graph_reserve, checkpoints,

@@ -63,9 +63,12 @@ class ModelRunner:
         device: torch.device,
         trace_entry: Path | None = None,
         no_trace_file: str = "no compile cache entry",
+        num_state_checkpoints: int = 0,
     ) -> None:
         """`trace_entry`: the compile cache entry where mode 3 keeps Dynamo's trace
-        (kiln/compiler/precompile.py); `no_trace_file`: why there is none."""
+        (kiln/compiler/precompile.py); `no_trace_file`: why there is none;
+        `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py)."""
+        self.num_state_checkpoints = num_state_checkpoints
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -76,7 +79,6 @@ class ModelRunner:
         self.linear_layers = model.linear_layers()
         # per GDN layer: (conv, recurrent) of the slots, then of the checkpoints
         self.state_tensors: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
-        self.num_state_checkpoints = 0  # set by the boot before the cache is allocated
         self.counters = GraphCounters()
         self.graphs_captured = False  # set by the boot once every graph of the plan is
         self.pad_eager_steps = False  # kiln/runner/padding.py; set by the boot
@@ -101,6 +103,8 @@ class ModelRunner:
         weights = [(name, list(t.shape), str(t.dtype)) for name, t in tensors]
         block_size = self.buffers.block_size
         static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights}
+        if self.linear_layers:  # the state pools are inputs of fixed size: the trace guards them
+            static["state_checkpoints"] = self.num_state_checkpoints
         return TraceFile.in_entry(entry, self.device, static)
 
     def attach_graphs(self, graph_backend: GraphBackend | None) -> None:
