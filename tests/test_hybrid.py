@@ -239,18 +239,26 @@ def test_a_saved_trace_serves_only_the_state_pool_it_was_traced_with(
     tiny_models, tmp_path, monkeypatch, caplog
 ):
     """Prefix caching on and off give the state-checkpoint pool different sizes, which Dynamo's
-    saved trace guards on: each gets a trace of its own in the compile cache entry, so a later
-    boot loads the right one instead of failing its guards every step (found as a mode-3
-    engine three times slower than a fresh one)."""
+    saved trace guards on, and so does the thread count: each gets a trace of its own in the
+    compile cache entry, so a later boot loads the right one instead of failing its guards
+    every step (found as a mode-3 engine three times slower than a fresh one) or crashing in
+    the retrace."""
     monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
     path = tiny_models["qwen3_next"]
-    traces = []
-    with caplog.at_level(logging.WARNING):
-        for prefix_caching in (True, False, True, False):
-            engine = _engine(path, CompilationConfig(mode=3), prefix_caching=prefix_caching)
-            run_schedule(engine, _workload()[:2])
-            traces.append(engine.runner.compile_stats()["dynamo_trace"])
-            assert engine.stats().graphs["recompilations"] == 0
-            engine.close()
-    assert traces == ["traced and saved", "traced and saved", "loaded", "loaded"]
+    traces, threads = [], torch.get_num_threads()
+    try:
+        with caplog.at_level(logging.WARNING):
+            # the thread count is in Dynamo's global-state guard too: a trace saved with two
+            # threads failed its guards under one, and the retrace crashed for this model
+            for prefix_caching, n in ((True, 2), (False, 2), (True, 2), (False, 2), (True, 1)):
+                torch.set_num_threads(n)
+                engine = _engine(path, CompilationConfig(mode=3), prefix_caching=prefix_caching)
+                run_schedule(engine, _workload()[:2])
+                traces.append(engine.runner.compile_stats()["dynamo_trace"])
+                assert engine.stats().graphs["recompilations"] == 0
+                engine.close()
+    finally:
+        torch.set_num_threads(threads)
+    saved, loaded = "traced and saved", "loaded"
+    assert traces == [saved, saved, loaded, loaded, saved]
     assert not [r for r in caplog.records if "guard" in r.getMessage()]

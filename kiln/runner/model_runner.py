@@ -105,6 +105,9 @@ class ModelRunner:
         static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights}
         if self.linear_layers:  # the state pools are inputs of fixed size: the trace guards them
             static["state_checkpoints"] = self.num_state_checkpoints
+        # Dynamo's global-state guard holds the thread count: a trace saved with another would
+        # fail at every boot and be traced again
+        static["threads"] = torch.get_num_threads()
         return TraceFile.in_entry(entry, self.device, static)
 
     def attach_graphs(self, graph_backend: GraphBackend | None) -> None:
