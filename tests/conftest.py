@@ -28,7 +28,12 @@ TINY = dict(
     rms_norm_eps=1e-6,
 )
 
-QWEN3_5_LINEAR = dict(
+# the hybrid models' layer pattern and Gated DeltaNet shape, and their experts
+HYBRID_EXPERTS = dict(
+    num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+    shared_expert_intermediate_size=48,
+)  # fmt: skip
+HYBRID_LINEAR = dict(
     layer_types=["linear_attention", "full_attention"],
     linear_num_key_heads=2,
     linear_num_value_heads=4,
@@ -79,30 +84,13 @@ TINY_VARIANTS = {
     # a Gated DeltaNet layer, then a gated-attention layer; experts with a shared expert
     "qwen3_next": (
         "Qwen3NextConfig",
-        dict(
-            layer_types=["linear_attention", "full_attention"],
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=16,
-            linear_value_head_dim=8,
-            linear_conv_kernel_dim=4,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        ),
+        dict(HYBRID_LINEAR, **HYBRID_EXPERTS),
     ),
     # Qwen3.5's text models: q/k/v, z, b and a projected apart; dense, and with experts
-    "qwen3_5": ("Qwen3_5TextConfig", dict(QWEN3_5_LINEAR)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(HYBRID_LINEAR)),
     "qwen3_5_moe": (
         "Qwen3_5MoeTextConfig",
-        dict(
-            QWEN3_5_LINEAR,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
-            shared_expert_intermediate_size=48,
-        ),
+        dict(HYBRID_LINEAR, **HYBRID_EXPERTS),
     ),
 }
 
