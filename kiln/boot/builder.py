@@ -37,7 +37,7 @@ from kiln.loader import ModelSource, open_model
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models import build_model
 from kiln.models.interface import CausalModel
-from kiln.models.weights import load_weights
+from kiln.models.weights import describe_weights, load_weights, weight_summary
 from kiln.runner.input_buffers import InputBuffers
 from kiln.runner.model_runner import ModelRunner, Sampling
 from kiln.runner.padding import pads_eager_steps
@@ -109,8 +109,10 @@ def load_model(
             model = build_model(source.config, attn_backend)
     finally:
         torch.set_default_dtype(default_dtype)
-    load_weights(model, source.tensors(dtype))
+    load_weights(model, source.tensors(dtype, keep_packed=config.quantization == "auto"))
     model.finalize(device)
+    model.weight_summary = weight_summary(model)
+    logger.info("weights: %s", describe_weights(model.weight_summary))
     warning = slow_cpu_dtype(dtype) if device.type == "cpu" else None
     if warning:
         logger.warning(warning)

@@ -168,6 +168,16 @@ class EngineConfig:
     dtype: str = field(
         default="float32", metadata=option(str, "float32 (default), bfloat16 or float16")
     )
+    quantization: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "auto (default): weights stored 4-bit (GGUF Q4_0, Q4_1, Q4_K, Q8_0) stay packed "
+            "where an int4 kernel runs them, the rest is dequantized; none: dequantize every "
+            "weight to --dtype",
+            choices=("auto", "none"),
+        ),
+    )
     device: str = field(default="auto", metadata=option(str, "auto (default), cpu or cuda[:N]"))
     seed: int = field(
         default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")

@@ -4,25 +4,64 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.errors import ModelLoadError
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
+from kiln.layers.packed import PackedInt4, QuantizedTensor, unpackable_reason
 
 
 class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.dtype = self.weight.dtype  # the model's: a packed lookup returns it
         self.packed_head: torch.Tensor | None = None
+        self.packed: PackedInt4 | None = None  # a 4-bit table: lookup and head read it
+        self.quantized: QuantizedTensor | None = None  # until finalize
+        self.fallback_reason: str | None = None
+
+    @property
+    def layout(self) -> str:
+        return "int4" if self.packed is not None else "dense"
+
+    def load_weight(self, name: str, weight: torch.Tensor | QuantizedTensor) -> None:
+        if tuple(weight.shape) != tuple(self.weight.shape):
+            raise ModelLoadError(
+                f"tensor {name!r} has shape {tuple(weight.shape)}, "
+                f"expected {tuple(self.weight.shape)}"
+            )
+        if isinstance(weight, QuantizedTensor):
+            self.quantized = weight
+        else:
+            self.weight.data.copy_(weight)
 
     def finalize(self, device: torch.device, used_as_lm_head: bool) -> None:
-        """On the CPU a tied LM head runs fastest from oneDNN's packed layout (see Linear); the
-        lookup table stays as it is, so this costs one more copy of the embedding."""
+        """A quantized table stays packed on the CPU, where its rows can be read back for the
+        lookup (on CUDA tinygemm's layout cannot, so it is dequantized). Otherwise, on the CPU
+        a tied LM head runs fastest from oneDNN's packed layout (see Linear); the lookup table
+        stays as it is, so this costs one more copy of the embedding."""
+        if self.quantized is not None:
+            reason = unpackable_reason(self.quantized, device)
+            if device.type != "cpu":
+                reason = reason or "tinygemm's layout has no row lookup"
+            if reason is None:
+                self.packed = PackedInt4(self.quantized, device)
+                self.weight = None  # type: ignore[assignment]
+                self.quantized = None
+                return
+            self.fallback_reason = reason
+            self.weight.data.copy_(self.quantized.dequantize())
+            self.quantized = None
         if device.type == "cpu" and used_as_lm_head and self.packed_head is None:
             self.packed_head = prepack_for_cpu(self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed.rows(input_ids, self.dtype)
         return F.embedding(input_ids, self.weight)
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(hidden)
         if self.packed_head is not None:
             return onednn_linear(hidden, self.packed_head)
         return F.linear(hidden, self.weight)

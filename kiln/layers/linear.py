@@ -1,5 +1,6 @@
-"""The linear layer interface. A quantized implementation (W4A16, later) subclasses `Linear`
-and overrides `load_weight`, `finalize` and `forward`; models only ever construct `Linear`.
+"""The linear layer interface; models only ever construct `Linear`. A checkpoint part that
+arrives 4-bit (`QuantizedTensor`: GGUF Q4/Q8, GPTQ, AutoRound) is kept packed when every part of
+the layer is and a kernel runs it (kiln/layers/packed.py), else dequantized into the dense weight.
 
 After loading, `finalize` picks the layout the device runs fastest. On the CPU that is oneDNN's
 prepacked weight (the layout Inductor's weight freezing uses), faster than BLAS at every batch
@@ -12,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers.packed import PackedInt4, QuantizedTensor, cat_rows, unpackable_reason
 
 
 class Linear(nn.Module):
@@ -22,15 +24,24 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.layout = "dense"  # or "onednn" (prepacked) or "transposed"
+        self.layout = "dense"  # or "onednn" (prepacked), "transposed" or "int4" (packed)
+        self.packed: PackedInt4 | None = None
+        self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until finalize
+        self.fallback_reason: str | None = None  # why quantized parts were dequantized
 
-    def load_weight(self, name: str, weight: torch.Tensor, rows: slice | None = None) -> None:
-        """Copy `weight` into rows `rows` of this layer (fused layers load their parts by rows)."""
+    def load_weight(
+        self, name: str, weight: torch.Tensor | QuantizedTensor, rows: slice | None = None
+    ) -> None:
+        """Copy `weight` into rows `rows` of this layer (fused layers load their parts by rows);
+        a quantized part is kept as it is until `finalize`."""
         target = self.weight if rows is None else self.weight[rows]
         if tuple(weight.shape) != tuple(target.shape):
             raise ModelLoadError(
                 f"tensor {name!r} has shape {tuple(weight.shape)}, expected {tuple(target.shape)}"
             )
+        if isinstance(weight, QuantizedTensor):
+            self.quantized_parts[0 if rows is None else rows.start] = weight
+            return
         target.copy_(weight)
 
     def load_bias(self, name: str, bias: torch.Tensor, rows: slice | None = None) -> None:
@@ -45,6 +56,8 @@ class Linear(nn.Module):
 
     def finalize(self, device: torch.device) -> None:
         """Called once after every weight is loaded."""
+        if self.quantized_parts and self._pack(device):
+            return
         if device.type != "cpu" or self.layout != "dense":
             return
         packed = prepack_for_cpu(self.weight)
@@ -55,7 +68,29 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
             self.layout = "transposed"
 
+    def _pack(self, device: torch.device) -> bool:
+        """Pack the quantized parts if they cover the layer in one format a kernel runs;
+        otherwise dequantize them into the dense weight (the reason is kept for the report)."""
+        starts = sorted(self.quantized_parts)
+        parts = [self.quantized_parts[start] for start in starts]
+        self.quantized_parts = {}
+        whole = cat_rows(parts) if _one_format(parts) else None
+        if whole is None or whole.shape != tuple(self.weight.shape):
+            self.fallback_reason = "its parts mix quantized and dense formats"
+        else:
+            self.fallback_reason = unpackable_reason(whole, device)
+        if self.fallback_reason is None:
+            self.packed = PackedInt4(whole, device)
+            self.weight = None  # type: ignore[assignment]
+            self.layout = "int4"
+            return True
+        for start, part in zip(starts, parts):
+            self.weight.data[start : start + part.shape[0]] = part.dequantize()
+        return False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.layout == "int4":
+            return self.packed(x, self.bias)
         if self.layout == "onednn":
             return onednn_linear(x, self.weight, self.bias)
         if self.layout == "transposed":
@@ -65,6 +100,13 @@ class Linear(nn.Module):
             y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
+
+
+def _one_format(parts: list[QuantizedTensor]) -> bool:
+    first = parts[0]
+    return all(
+        len(p.planes) == len(first.planes) and p.group_size == first.group_size for p in parts
+    )
 
 
 def onednn_runs(dtype: torch.dtype) -> bool:

@@ -1,10 +1,12 @@
 """GGUF files: metadata -> ModelConfig (read by gguf_file.py), tensors dequantized to the
-compute dtype with the `gguf` package, tokenizer and chat template from the file's metadata
-(via transformers)."""
+compute dtype with the `gguf` package or read as 4-bit planes (gguf_quant.py), tokenizer and
+chat template from the file's metadata (via transformers)."""
 
 from __future__ import annotations
 
+import logging
 import re
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,10 +15,14 @@ import numpy as np
 import torch
 
 from kiln.errors import ModelLoadError
+from kiln.layers.packed import Int4Codes, QuantizedTensor
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
+from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
+
+logger = logging.getLogger(__name__)
 
 GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -87,6 +93,17 @@ def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def _unpermute_planes(t: QuantizedTensor, n_heads: int) -> QuantizedTensor:
+    """unpermute_qk on the rows of every plane: codes, scales and zeros move together."""
+
+    def rows(x: torch.Tensor) -> torch.Tensor:
+        return torch.from_numpy(np.ascontiguousarray(unpermute_qk(x.numpy(), n_heads)))
+
+    planes = [Int4Codes(rows(p.codes), rows(p.scale), rows(p.zero), p.group_size)
+              for p in t.planes]  # fmt: skip
+    return QuantizedTensor(t.kind, planes)
+
+
 class GGUFSource(ModelSource):
     def __init__(self, path: str) -> None:
         self.path = path
@@ -144,17 +161,35 @@ class GGUFSource(ModelSource):
             ),
         }
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        cfg = self.config
+    def tensors(
+        self, dtype: torch.dtype, keep_packed: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        became: Counter[str] = Counter()
         for t in self.file.tensors:
             name = hf_tensor_name(t.name)
             if name is None:
                 continue
+            heads = self._permuted_heads(name)
+            kind = t.tensor_type.name
+            if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) == 2:
+                became[f"{kind} read as 4-bit planes"] += 1
+                packed = gguf_codes(kind, t.data, tuple(reversed(t.shape)))
+                yield name, packed if heads is None else _unpermute_planes(packed, heads)
+                continue
+            dense = str(dtype).removeprefix("torch.")
+            became[f"{kind} as {dense}" if kind in ("F32", "F16", "BF16")
+                   else f"{kind} dequantized to {dense}"] += 1  # fmt: skip
             data = dequantize(t)
-            if self.arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-                heads = cfg.num_heads if "q_proj" in name else cfg.num_kv_heads
+            if heads is not None:
                 data = unpermute_qk(data, heads)
             yield name, torch.from_numpy(np.array(data, dtype=np.float32)).to(dtype)
+        logger.info("GGUF tensors: %s", ", ".join(f"{n} {what}" for what, n in became.items()))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count of a q/k projection llama.cpp's converter permuted, else None."""
+        if self.arch != "llama" or not name.endswith(("q_proj.weight", "k_proj.weight")):
+            return None
+        return self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
 
     def load_tokenizer(self) -> Tokenizer:
         return Tokenizer.from_gguf(self.path, self.config.eos_token_ids)

@@ -29,7 +29,9 @@ class HFDirectorySource(ModelSource):
         if not self.files:
             raise ModelLoadError(f"{path!r} has no *.safetensors weights (kiln does not read .bin)")
 
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    def tensors(
+        self, dtype: torch.dtype, keep_packed: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
             with safe_open(file, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a dict

@@ -5,6 +5,7 @@ from collections.abc import Iterator
 
 import torch
 
+from kiln.layers.packed import QuantizedTensor
 from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
 
@@ -14,8 +15,11 @@ class ModelSource(ABC):
     config: ModelConfig
 
     @abstractmethod
-    def tensors(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint tensors under HF names, in `dtype`."""
+    def tensors(
+        self, dtype: torch.dtype, keep_packed: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Checkpoint tensors under HF names, in `dtype`; with `keep_packed`, matrices stored
+        in a 4-bit-packable format come as QuantizedTensor instead."""
 
     @abstractmethod
     def load_tokenizer(self) -> Tokenizer: ...

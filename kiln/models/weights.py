@@ -9,8 +9,12 @@ import torch
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear
 from kiln.layers.moe import FusedExperts
+from kiln.layers.packed import QuantizedTensor
+
+Tensor = torch.Tensor | QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -30,7 +34,7 @@ def _part_rows(module: nn.Module, fused: str, index: int) -> slice:
     return slice(start, start + sizes[index])
 
 
-def _load_fused(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None:
+def _load_fused(model: nn.Module, name: str, tensor: Tensor) -> str | None:
     """Load a q/k/v/gate/up tensor into its fused layer; returns the part's key, or None."""
     path, leaf = name.rsplit(".", 1)
     parent, proj = path.rsplit(".", 1) if "." in path else ("", path)
@@ -43,14 +47,14 @@ def _load_fused(model: nn.Module, name: str, tensor: torch.Tensor) -> str | None
     if leaf == "weight":
         linear.load_weight(name, tensor, rows)
     else:
-        linear.load_bias(name, tensor, rows)
+        linear.load_bias(name, _dense(tensor), rows)
     return f"{parent}.{fused}.{leaf}#{index}"
 
 
 _EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
-def _load_expert(model: nn.Module, name: str, tensor: torch.Tensor) -> list[str] | None:
+def _load_expert(model: nn.Module, name: str, tensor: Tensor) -> list[str] | None:
     """Load one expert's projection (`...mlp.experts.7.up_proj.weight`, as transformers saves
     them) or all experts' stacked tensor (`...mlp.experts.gate_up_proj`, its in-memory form)
     into a FusedExperts; returns the keys loaded, or None for any other tensor."""
@@ -98,8 +102,22 @@ def _expected_keys(model: nn.Module) -> set[str]:
     return keys
 
 
-def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-    """Load HF-named tensors. Missing tensors and shape mismatches are ModelLoadErrors."""
+def _load_whole(model: nn.Module, name: str, tensor: Tensor) -> bool:
+    """Hand a weight to its Linear or embedding, which may keep it packed; False for others."""
+    path, leaf = name.rsplit(".", 1) if "." in name else ("", name)
+    try:
+        owner = model.get_submodule(path)
+    except AttributeError:
+        return False
+    if leaf != "weight" or not isinstance(owner, (Linear, VocabEmbedding)):
+        return False
+    owner.load_weight(name, tensor)
+    return True
+
+
+def load_weights(model: nn.Module, tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """Load HF-named tensors. Missing tensors and shape mismatches are ModelLoadErrors.
+    Quantized tensors stay quantized where a Linear or the embedding takes them."""
     params = dict(model.named_parameters())
     tied = model.config.tie_word_embeddings
     loaded: set[str] = set()
@@ -108,7 +126,7 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         if name.startswith("mtp.") and hasattr(model, "mtp_weights"):
-            model.mtp_weights[name] = tensor  # the MTP head, for speculative decoding
+            model.mtp_weights[name] = _dense(tensor)  # the MTP head, for speculative decoding
             continue
         with torch.no_grad():
             expert_keys = _load_expert(model, name, tensor) if "layers." in name else None
@@ -116,7 +134,9 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
                 loaded.update(expert_keys)
                 continue
             key = _load_fused(model, name, tensor) if "layers." in name else None
-            if key is None:
+            if key is None and _load_whole(model, name, tensor):
+                key = name
+            elif key is None:
                 if name not in params:
                     logger.warning(
                         "ignoring checkpoint tensor %r: the model has no such weight", raw_name
@@ -136,9 +156,56 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, torch.Tensor]]) 
         )
 
 
-def _copy(param: torch.Tensor, name: str, tensor: torch.Tensor) -> None:
+def _copy(param: torch.Tensor, name: str, tensor: Tensor) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ModelLoadError(
             f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
-    param.copy_(tensor)
+    param.copy_(_dense(tensor))
+
+
+def _dense(tensor: Tensor) -> torch.Tensor:
+    return tensor.dequantize() if isinstance(tensor, QuantizedTensor) else tensor
+
+
+def weight_summary(model: nn.Module) -> list[tuple[str, int, int]]:
+    """What the loaded weights became, after `finalize`: (format, tensors, resident bytes) per
+    format, largest first. Everything that is not a linear layer or the embedding (norms,
+    convolutions, routers, tables) is one row."""
+    rows: dict[str, list[int]] = {}
+    counted: set[int] = set()
+    for module in model.modules():
+        if not isinstance(module, (Linear, VocabEmbedding)):
+            continue
+        tensors = [t for t in (*module.parameters(), *module.buffers()) if t is not None]
+        tensors += [module.packed_head] if getattr(module, "packed_head", None) is not None else []
+        row = rows.setdefault(_format(module), [0, 0])
+        row[0] += 1
+        row[1] += sum(t.numel() * t.element_size() for t in tensors)
+        counted |= {id(t) for t in tensors}
+    rest = [t for t in (*model.parameters(), *model.buffers()) if id(t) not in counted]
+    if rest:
+        rows["other tensors (norms, tables, ...)"] = [
+            len(rest), sum(t.numel() * t.element_size() for t in rest)
+        ]  # fmt: skip
+    return sorted(((k, n, b) for k, (n, b) in rows.items()), key=lambda r: -r[2])
+
+
+def _format(module: Linear | VocabEmbedding) -> str:
+    what = "embedding" if isinstance(module, VocabEmbedding) else "linear"
+    if module.packed is not None:
+        p = module.packed
+        planes = " (two planes)" if p.num_planes == 2 else ""
+        return f"{what}: {p.kind} -> int4 packed, group {p.group_size}{planes}"
+    dtype = str(module.weight.dtype).removeprefix("torch.")
+    if module.fallback_reason:
+        return f"{what}: dequantized to {dtype} ({module.fallback_reason})"
+    layout = getattr(module, "layout", "dense")
+    return f"{what}: {dtype}" + (f" ({layout})" if layout != "dense" else "")
+
+
+def describe_weights(summary: list[tuple[str, int, int]]) -> str:
+    """One line per format and the resident total, for the log and `kiln info`."""
+    total = sum(b for _, _, b in summary)
+    parts = [f"{fmt}: {n} tensors, {b / 2**20:.1f} MiB" for fmt, n, b in summary]
+    return "; ".join(parts) + f"; resident {total / 2**20:.1f} MiB"

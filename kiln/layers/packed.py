@@ -1,0 +1,242 @@
+"""Weights kept 4-bit packed: PyTorch's own int4 kernels, no extension built at install.
+
+Every packed format here is one or two planes of 4-bit codes with an affine map per group of
+`group_size` input columns: w[n, k] = (code[n, k] - 8) * scale[n, g] + zero[n, g], g = k // G.
+That is the map of PyTorch's int4 kernels (`_weight_int4pack_mm_for_cpu`, tinygemm's
+`_weight_int4pack_mm` on CUDA), which take bf16 activations and a [K/G, N, 2] bf16 table of
+(scale, zero). GGUF's Q4_0, Q4_1 and Q4_K and GPTQ/AutoRound's 4-bit formats are one plane
+exactly (only their fp16 scales round to bf16); Q8_0 is two: its int8 q = 16 * hi + lo splits
+into a high plane (hi + 8, scale 16d) and a low one (lo, scale d, zero 8d), whose products add.
+
+On the CPU the int4 kernel is a matrix-vector kernel: 2-2.5x faster than oneDNN's bf16 linear
+for one row, but its time grows with the rows, and from about 256 rows dequantizing the weight
+to bf16 and running one dense matmul is faster (docs/performance.md, "Packed weights"). The
+op picks by the row count at run time: the row count is dynamic in compiled graphs, so the
+choice cannot be made while tracing."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
+CPU_BLOCK_N = 64  # the CPU kernel's layout: [N / 64, K, 32] bytes, n and n + 32 in one byte
+DEQUANT_MIN_ROWS = 256  # from here on the CPU, dequantize + dense matmul beats the int4 kernel
+
+
+@dataclass
+class Int4Codes:
+    """One plane of a checkpoint tensor as it leaves the loader, before packing."""
+
+    codes: torch.Tensor  # uint8 [N, K], values 0..15
+    scale: torch.Tensor  # float32 [N, K // group_size]
+    zero: torch.Tensor  # float32 [N, K // group_size]
+    group_size: int
+
+    def dequantize(self) -> torch.Tensor:
+        g = self.group_size
+        s, z = self.scale.repeat_interleave(g, 1), self.zero.repeat_interleave(g, 1)
+        return (self.codes.float() - 8) * s + z
+
+
+@dataclass
+class QuantizedTensor:
+    """A checkpoint matrix in a packable format: `kind` names it ("Q4_1", "gptq", ...)."""
+
+    kind: str
+    planes: list[Int4Codes]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.planes[0].codes.shape)  # type: ignore[return-value]
+
+    @property
+    def group_size(self) -> int:
+        return self.planes[0].group_size
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K]: the reference, and the dense fallback."""
+        return functools.reduce(torch.add, (p.dequantize() for p in self.planes))
+
+
+def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
+    """Parts of a fused layer (q, k, v) stacked by rows into one tensor."""
+    planes = [
+        Int4Codes(
+            torch.cat([p.planes[i].codes for p in parts]),
+            torch.cat([p.planes[i].scale for p in parts]),
+            torch.cat([p.planes[i].zero for p in parts]),
+            parts[0].group_size,
+        )
+        for i in range(len(parts[0].planes))
+    ]
+    return QuantizedTensor("+".join(sorted({p.kind for p in parts})), planes)
+
+
+def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
+    """Why no int4 kernel runs `t` on `device`, or None."""
+    k = t.shape[1]
+    if t.group_size not in KERNEL_GROUP_SIZES:
+        return f"group size {t.group_size} (the int4 kernels take {KERNEL_GROUP_SIZES})"
+    if k % t.group_size:
+        return f"{k} input features are not a multiple of the group size {t.group_size}"
+    if device.type == "cuda" and k % 32:
+        return f"{k} input features (tinygemm needs a multiple of 32)"
+    if device.type not in ("cpu", "cuda"):
+        return f"device {device.type}"
+    if device.type == "cpu" and not cpu_layout_is_known():
+        return "this PyTorch build packs int4 weights in a layout kiln does not know"
+    return None
+
+
+class PackedInt4(nn.Module):
+    """The packed planes of one weight matrix and its matmul (the op `kiln::int4_linear`)."""
+
+    def __init__(self, t: QuantizedTensor, device: torch.device) -> None:
+        super().__init__()
+        self.out_features, self.in_features = t.shape
+        self.group_size, self.kind, self.num_planes = t.group_size, t.kind, len(t.planes)
+        for i, plane in enumerate(t.planes):
+            packed, scales_zeros = pack_plane(plane, device)
+            self.register_buffer(f"packed{i}", packed)
+            self.register_buffer(f"scales_zeros{i}", scales_zeros)
+
+    def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        n = range(self.num_planes)
+        return [getattr(self, f"packed{i}") for i in n], [
+            getattr(self, f"scales_zeros{i}") for i in n
+        ]
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        packed, scales_zeros = self.planes()
+        return torch.ops.kiln.int4_linear(
+            x, packed, scales_zeros, self.group_size, self.out_features, bias
+        )
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup), CPU layout only."""
+        packed, scales_zeros = self.planes()
+        out = [cpu_rows(p, sz, ids, self.group_size) for p, sz in zip(packed, scales_zeros)]
+        return functools.reduce(torch.add, out).to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] of the packed planes, as the kernels see them (bf16 scales)."""
+        packed, scales_zeros = self.planes()
+        if packed[0].device.type != "cpu":
+            raise NotImplementedError("dequantizing a tinygemm-packed weight")
+        out = [cpu_dequantize_t(p, sz, self.group_size) for p, sz in zip(packed, scales_zeros)]
+        w = functools.reduce(torch.add, (t.float() for t in out))
+        return w.t()[: self.out_features]
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+def pack_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed codes, [K/G, N, 2] bf16 scales and zeros) in the layout of `device`'s kernel.
+    Rows are padded to the kernel's block (64 on the CPU, 8 on CUDA) with zero weights."""
+    block = CPU_BLOCK_N if device.type == "cpu" else 8
+    codes, scale, zero = plane.codes, plane.scale, plane.zero
+    pad = -codes.shape[0] % block
+    if pad:
+        codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
+        scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
+    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    if device.type == "cpu":
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 2)
+    else:  # tinygemm takes two codes per byte, the even column in the high nibble
+        pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
+        k = codes.shape[1]
+        inner_k_tiles = 8 if k % 256 == 0 else 4 if k % 128 == 0 else 2
+        packed = torch.ops.aten._convert_weight_to_int4pack(pairs.contiguous(), inner_k_tiles)
+    return packed, scales_zeros.to(device)
+
+
+@functools.cache
+def cpu_layout_is_known() -> bool:
+    """Whether this build's CPU packing is the [N/64, K, 32] layout that `cpu_rows` and
+    `cpu_dequantize_t` read (checked once on a small matrix of known codes)."""
+    n, k = 128, 64
+    codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :] * 3) % 16
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 2)
+    scales_zeros = torch.zeros(k // 32, n, 2, dtype=torch.bfloat16)
+    scales_zeros[..., 0] = 1
+    back = cpu_dequantize_t(packed, scales_zeros, 32).t().float() + 8
+    return bool(torch.equal(back, codes.float()))
+
+
+def cpu_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int):
+    """W^T [K, N] in bf16 from the CPU layout: the large-batch path."""
+    k = packed.shape[1] * 2
+    blocks = packed.view(-1, k, CPU_BLOCK_N // 2)
+    out = torch.empty(k, blocks.shape[0], 2, CPU_BLOCK_N // 2, dtype=torch.bfloat16)
+    out[:, :, 0].copy_(torch.bitwise_and(blocks, 15).transpose(0, 1))
+    out[:, :, 1].copy_(torch.bitwise_right_shift(blocks, 4).transpose(0, 1))
+    scale, zero = scales_zeros.unbind(-1)
+    w = out.view(k // group_size, group_size, -1)
+    w.mul_(scale.unsqueeze(1)).add_((zero - 8 * scale).unsqueeze(1))
+    return out.view(k, -1)
+
+
+def cpu_rows(packed: torch.Tensor, scales_zeros: torch.Tensor, ids: torch.Tensor, group_size: int):
+    """Rows `ids` of the weight, dequantized (float32 [T, K]) from the CPU layout."""
+    k = packed.shape[1] * 2
+    blocks = packed.view(-1, k, CPU_BLOCK_N // 2)
+    within = ids % CPU_BLOCK_N
+    raw = blocks[ids // CPU_BLOCK_N, :, within % (CPU_BLOCK_N // 2)]  # [T, K]
+    shift = (within // (CPU_BLOCK_N // 2) * 4).to(torch.uint8).unsqueeze(1)
+    codes = torch.bitwise_and(torch.bitwise_right_shift(raw, shift), 15).float()
+    sz = scales_zeros[:, ids].float().repeat_interleave(group_size, 0)  # [K, T, 2]
+    return (codes - 8) * sz[..., 0].t() + sz[..., 1].t()
+
+
+def _int4_linear(
+    x: torch.Tensor,
+    packed: list[torch.Tensor],
+    scales_zeros: list[torch.Tensor],
+    group_size: int,
+    out_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
+    if rows.device.type == "cpu" and rows.shape[0] >= DEQUANT_MIN_ROWS:
+        w_t = functools.reduce(
+            torch.add, (cpu_dequantize_t(p, sz, group_size) for p, sz in zip(packed, scales_zeros))
+        )
+        y = rows @ w_t
+    else:
+        mm = (
+            torch.ops.aten._weight_int4pack_mm_for_cpu
+            if rows.device.type == "cpu"
+            else torch.ops.aten._weight_int4pack_mm
+        )
+        y = functools.reduce(
+            torch.add, (mm(rows, p, group_size, sz) for p, sz in zip(packed, scales_zeros))
+        )
+    if y.shape[1] != out_features:
+        y = y[:, :out_features]
+    y = y.to(x.dtype)
+    if bias is not None:
+        y = y + bias
+    return y.view(*shape[:-1], out_features)
+
+
+# An opaque op in compiled graphs: Inductor's generated code calls it directly (through the
+# dispatcher, about 3 us a call), and it picks the kernel by the row count it is given.
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define(
+    "int4_linear(Tensor x, Tensor[] packed, Tensor[] scales_zeros, int group_size, "
+    "int out_features, Tensor? bias) -> Tensor"
+)
+_LIB.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "kiln::int4_linear",
+    lambda x, packed, scales_zeros, group_size, out_features, bias: x.new_empty(
+        *x.shape[:-1], out_features
+    ),
+    lib=_LIB,
+)

@@ -1,0 +1,94 @@
+"""GGUF's block formats read into 4-bit codes with a scale and zero per 32 columns (the form
+`kiln.layers.packed` packs), exactly: no value is requantized.
+
+Q4_0 (d, 32 codes): w = d (q - 8).             scale d, zero 0
+Q4_1 (d, m, 32 codes): w = d q + m.            scale d, zero m + 8d
+Q4_K (256 columns: d, dmin, 8 six-bit scales and mins, codes): w = d sc q - dmin mn, per 32
+columns                                        scale d sc, zero 8 d sc - dmin mn
+Q8_0 (d, 32 int8): q = 16 hi + lo, two planes: high (hi + 8, scale 16d), low (lo, scale d,
+zero 8d)
+
+Within a block of 32 (Q4_0/Q4_1) the low nibbles of the 16 bytes are columns 0-15 and the high
+nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Other
+types (Q5_x, Q6_K, Q2_K, Q3_K) have no exact 4-bit form: the loader dequantizes them."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kiln.layers.packed import Int4Codes, QuantizedTensor
+
+PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+GROUP = 32
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    """Little-endian fp16 fields ([..., 2] bytes) as float32 [..., 1]."""
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles(qs: np.ndarray) -> np.ndarray:
+    """[..., B] bytes -> [..., 2B] codes: low nibbles, then high nibbles."""
+    return np.concatenate([qs & 15, qs >> 4], axis=-1)
+
+
+def _plane(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Int4Codes:
+    n = codes.shape[0]
+    return Int4Codes(
+        torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1), dtype=np.uint8)),
+        torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1), dtype=np.float32)),
+        GROUP,
+    )
+
+
+def q4_0(blocks: np.ndarray) -> list[Int4Codes]:
+    d = _f16(blocks[..., 0:2])
+    return [_plane(_nibbles(blocks[..., 2:18]), d, np.zeros_like(d))]
+
+
+def q4_1(blocks: np.ndarray) -> list[Int4Codes]:
+    d, m = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    return [_plane(_nibbles(blocks[..., 4:20]), d, m + 8 * d)]
+
+
+def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins ([..., 8] each)."""
+    s = s.astype(np.uint8)
+    low_sc, low_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
+    high_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    high_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return (
+        np.concatenate([low_sc, high_sc], -1).astype(np.float32),
+        np.concatenate([low_mn, high_mn], -1).astype(np.float32),
+    )
+
+
+def q4_k(blocks: np.ndarray) -> list[Int4Codes]:
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+    sc, mn = _k_scales_mins(blocks[..., 4:16])
+    qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
+    codes = _nibbles(qs)  # [..., 4, 64]: per 64 columns, the low-nibble sub-block first
+    scale = d * sc
+    return [_plane(codes, scale, 8 * scale - dmin * mn)]
+
+
+def q8_0(blocks: np.ndarray) -> list[Int4Codes]:
+    d = _f16(blocks[..., 0:2])
+    q = np.ascontiguousarray(blocks[..., 2:34]).view(np.int8)
+    high = (q >> 4).astype(np.int16) + 8  # arithmetic shift: -8..7
+    low = (q & 15).astype(np.int16)
+    return [_plane(high, 16 * d, np.zeros_like(d)), _plane(low, d, 8 * d)]
+
+
+_READERS = {"Q4_0": (q4_0, 18, 32), "Q4_1": (q4_1, 20, 32), "Q4_K": (q4_k, 144, 256),
+            "Q8_0": (q8_0, 34, 32)}  # fmt: skip
+
+
+def gguf_codes(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
+    """A 2-D GGUF tensor of a packed type (`data`: [N, bytes per row]) as 4-bit planes."""
+    read, block_bytes, block_cols = _READERS[kind]
+    n, k = shape
+    blocks = np.asarray(data).reshape(n, k // block_cols, block_bytes)
+    return QuantizedTensor(kind, read(blocks))
