@@ -181,3 +181,26 @@ def hf_models(tiny_models):
         name: AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager").eval()
         for name, path in tiny_models.items()
     }
+
+
+# the packed tiny model's tensor types: attention Q4_0, MLP Q4_1, embedding and head Q8_0
+PACKED_KINDS = {"self_attn": "Q4_0", "mlp": "Q4_1"}
+
+
+def packed_kind(name: str):
+    import gguf
+
+    kind = next((k for part, k in PACKED_KINDS.items() if part in name), "Q8_0")
+    return gguf.GGMLQuantizationType[kind]
+
+
+@pytest.fixture(scope="session")
+def packed_gguf(tiny_models, tmp_path_factory) -> str:
+    """The tiny Llama as a GGUF of 4-bit-packable types (its tokenizer: tiny_models["llama"])."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_files import write_gguf
+
+    path = tmp_path_factory.mktemp("packed") / "tiny-packed.gguf"
+    write_gguf(path, AutoModelForCausalLM.from_pretrained(tiny_models["llama"]), packed_kind)
+    return str(path)

@@ -28,11 +28,15 @@ def make_engine(
     graph_backend=None,
     dtype: str = "float32",
     strict_graphs: bool = False,
+    quantization: str = "auto",
+    tokenizer: str | None = None,
 ) -> LLMEngine:
     return build_engine(
         EngineConfig(
             model=model,
+            tokenizer=tokenizer,
             dtype=dtype,
+            quantization=quantization,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

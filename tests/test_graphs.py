@@ -37,7 +37,9 @@ def _workload():
     return [(t, p, params) for t, p in zip([0, 0, 1, 3, 5, 6], prompts)]
 
 
-def _engine(path, cudagraph_mode, mode, backend, graphs=True, kv=2**20, piece_backend=None):
+def _engine(
+    path, cudagraph_mode, mode, backend, graphs=True, kv=2**20, piece_backend=None, tokenizer=None
+):
     """kv=PREEMPTING: 96 tokens of KV for ~180 tokens of work, so sequences get preempted."""
     config = CompilationConfig(
         mode=mode,
@@ -55,6 +57,7 @@ def _engine(path, cudagraph_mode, mode, backend, graphs=True, kv=2**20, piece_ba
         compilation=config if graphs else CompilationConfig(mode=mode),
         attention_backend=backend,
         graph_backend=EmulatedGraphBackend() if graphs else None,
+        tokenizer=tokenizer,
     )
 
 
@@ -68,9 +71,9 @@ MODES = [
 ]
 
 
-def _reference(path: str, backend: str):
+def _reference(path: str, backend: str, tokenizer: str | None = None):
     """An eager run of the workload, with a KV budget small enough to force preemption."""
-    engine = _engine(path, "NONE", 0, backend, graphs=False, kv=PREEMPTING)
+    engine = _engine(path, "NONE", 0, backend, graphs=False, kv=PREEMPTING, tokenizer=tokenizer)
     out = run_schedule(engine, _workload(), record_logits=True)
     assert engine.stats().num_preemptions > 0
     return out
@@ -116,6 +119,22 @@ def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, 
     engine = _engine(path, graph_mode, mode, backend, kv=PREEMPTING)
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, _reference(path, backend))
+    st = engine.stats()
+    assert {m for m, n in st.graphs["steps"].items() if n} == ran
+    assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
+
+
+@pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
+def test_graph_modes_of_a_packed_model_equal_eager(
+    tiny_models, packed_gguf, graph_mode, mode, backend, ran
+):
+    """4-bit packed weights (the op `kiln::int4_linear`, its two kernels picked by the row
+    count at run time) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
+    tokenizer = tiny_models["llama"]
+    engine = _engine(packed_gguf, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
+    assert engine.runner.model.layers[0].mlp.down_proj.layout == "int4"
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, _reference(packed_gguf, backend, tokenizer))
     st = engine.stats()
     assert {m for m, n in st.graphs["steps"].items() if n} == ran
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0

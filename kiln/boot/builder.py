@@ -55,7 +55,11 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)
-        tokenizer = source.load_tokenizer()
+        tokenizer = (
+            Tokenizer.from_directory(config.tokenizer, source.config.eos_token_ids)
+            if config.tokenizer
+            else source.load_tokenizer()
+        )
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)
     entry: CompileCacheEntry | None = None
@@ -119,6 +123,12 @@ def load_model(
     return model.eval()
 
 
+def keyed_model(source: ModelSource, config: EngineConfig) -> dict:
+    """The model's part of the compile cache key: its config, and whether its weights may be
+    packed (packed linears are other ops in the graph)."""
+    return {**source.config.to_dict(), "quantization": config.quantization}
+
+
 def open_compile_cache(
     plan: GraphPlan, config: EngineConfig, source: ModelSource, device: torch.device
 ) -> CompileCacheEntry | None:
@@ -127,7 +137,7 @@ def open_compile_cache(
     if plan.mode != 3:
         return None
     check_cache_env(compile_root(), config.strict_graphs)
-    entry = open_for_plan(plan.to_dict(), source.config.to_dict(), config.dtype, device)
+    entry = open_for_plan(plan.to_dict(), keyed_model(source, config), config.dtype, device)
     entry.activate()
     logger.info(
         "compile cache %s (%s; waited %.1f s for other processes)",

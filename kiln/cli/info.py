@@ -7,7 +7,7 @@ import argparse
 
 import torch
 
-from kiln.boot.builder import build_engine
+from kiln.boot.builder import build_engine, keyed_model
 from kiln.boot.preview import EnginePreview, preview_engine
 from kiln.cli.engine_args import engine_kwargs
 from kiln.compile_cache.entry import CompileCacheEntry, entry_for_plan, is_sealed
@@ -87,6 +87,7 @@ def _config_rows(
 ) -> list[tuple[str, str]]:
     return [
         ("device / dtype", f"{device} / {config.dtype}"),
+        ("quantization", config.quantization),
         ("max_model_len", str(max_model_len)),
         ("max_num_seqs", str(config.scheduler.max_num_seqs)),
         ("max_num_batched_tokens", str(config.scheduler.max_num_batched_tokens)),
@@ -99,7 +100,10 @@ def _boot_rows(engine: LLMEngine) -> list[tuple[str, str]]:
     st = engine.stats()
     bs = engine.config.cache.block_size
     compiled = engine.runner.compile_stats()
+    summary = getattr(engine.runner.model, "weight_summary", [])
     return [
+        *[(f"weights: {fmt}", f"{n} tensors, {b / 2**20:.1f} MiB") for fmt, n, b in summary],
+        ("resident weights", f"{sum(b for _, _, b in summary) / 2**20:.1f} MiB"),
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
         ("boot", _boot(engine.boot)),
         ("compile cache", _compile_cache(engine.boot.compile_cache)),
@@ -134,7 +138,7 @@ def _planned_cache(preview: EnginePreview) -> str:
         return NOT_COMPILED
     path = entry_for_plan(
         preview.plan.to_dict(),
-        preview.source.config.to_dict(),
+        keyed_model(preview.source, preview.config),
         preview.config.dtype,
         preview.device,
     )

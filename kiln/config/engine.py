@@ -182,7 +182,7 @@ class EngineConfig:
     seed: int = field(
         default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")
     )
-    tokenizer: str | None = None
+    tokenizer: str | None = None  # an HF directory's tokenizer instead of the model's own
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = field(

@@ -1,0 +1,138 @@
+"""Where a single-stream decode step's time goes, per weight format, in one process.
+
+For each configuration (quantization x dtype x compilation mode) this boots the embedded
+model, decodes one greedy stream, and splits the mean step time into: the runner's input
+preparation, the forward (and within it, from torch's profiler, the linear layers, attention
+and everything else the forward calls), the LM head, sampling, and the engine's own work
+around the runner (scheduler, block manager, detokenizer, output).
+
+    python benchmarks/decode_step.py                       # the default configurations
+    python benchmarks/decode_step.py --configs auto:float32:3 none:bfloat16:3 --tokens 128
+
+A configuration is QUANTIZATION:DTYPE:MODE. Numbers are milliseconds per decode step."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+from contextlib import contextmanager
+
+import torch
+
+from kiln import LLM, SamplingParams
+
+PROMPT = "Write a long story about a lighthouse keeper and her cat."
+LINEAR_OPS = (
+    "kiln::int4_linear",
+    "kiln::onednn_linear",
+    "mkldnn::_linear_pointwise",
+    "aten::_weight_int4pack_mm_for_cpu",
+    "aten::addmm",
+    "aten::mm",
+    "aten::matmul",
+)
+ATTENTION_OPS = ("kiln::torch_paged_attention",)
+
+
+class Timers:
+    def __init__(self) -> None:
+        self.total: dict[str, float] = defaultdict(float)
+
+    @contextmanager
+    def time(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.total[name] += time.perf_counter() - t0
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        inner = getattr(owner, attr)
+
+        def timed(*args, **kwargs):
+            with self.time(name):
+                return inner(*args, **kwargs)
+
+        setattr(owner, attr, timed)
+
+
+def measure(spec: str, tokens: int, threads: int) -> dict[str, float]:
+    quantization, dtype, mode = spec.split(":")
+    torch.set_num_threads(threads)
+    llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)})
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen
+    engine, timers = llm.engine, Timers()
+    runner = engine.runner
+    timers.wrap(runner, "prepare", "prepare inputs")
+    timers.wrap(runner, "_run", "forward")
+    timers.wrap(runner.model, "compute_logits", "LM head")
+    timers.wrap(engine.runner, "execute", "runner")
+    steps, t0 = _decode(llm, PROMPT, params, timers)
+    wall = time.perf_counter() - t0
+    ops = _forward_ops(llm, params)
+    row = {k: v * 1e3 / steps for k, v in timers.total.items()}
+    runner_ms = row.pop("runner")
+    row["sample"] = runner_ms - row["prepare inputs"] - row["forward"] - row["LM head"]
+    row["engine (scheduler, output)"] = wall * 1e3 / steps - runner_ms
+    row["step"] = wall * 1e3 / steps
+    row.update({f"forward: {k}": v for k, v in ops.items()})
+    return row
+
+
+def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers):
+    """Decode steps only: the prefill step runs first, outside the timers' totals."""
+    engine = llm.engine
+    engine.add_request("timed", llm.tokenizer.encode(prompt), params)
+    engine.step()  # the prefill
+    timers.total.clear()
+    steps, t0 = 0, time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    return steps, t0
+
+
+def _forward_ops(llm: LLM, params: SamplingParams) -> dict[str, float]:
+    """ms per decode step in the forward's linears, attention and the rest (torch profiler:
+    self CPU time of the ops, so a parent op's children are not counted twice)."""
+    engine = llm.engine
+    engine.add_request("profiled", llm.tokenizer.encode(PROMPT), params)
+    engine.step()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        steps = 0
+        while engine.has_unfinished_requests() and steps < 32:
+            engine.step()
+            steps += 1
+    out = defaultdict(float)
+    for event in prof.key_averages():
+        name = event.key
+        group = ("linears" if name.startswith(LINEAR_OPS)
+                 else "attention" if name.startswith(ATTENTION_OPS) else "other ops")  # fmt: skip
+        out[group] += event.self_cpu_time_total / 1e3 / steps
+    for request_id in list(engine.requests):
+        engine.abort_request(request_id)
+    return dict(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--configs",
+        nargs="+",
+        default=["none:float32:0", "auto:float32:0", "none:bfloat16:3", "auto:float32:3"],
+    )
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    rows = {spec: measure(spec, args.tokens, args.threads) for spec in args.configs}
+    names = list(dict.fromkeys(k for row in rows.values() for k in row))
+    print(f"\n{'ms per decode step':34}" + "".join(f"{s:>17}" for s in rows))
+    for name in names:
+        print(f"{name:34}" + "".join(f"{row.get(name, 0):17.2f}" for row in rows.values()))
+    print(f"{'tokens/s':34}" + "".join(f"{1e3 / row['step']:17.1f}" for row in rows.values()))
+
+
+if __name__ == "__main__":
+    main()

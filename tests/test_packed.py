@@ -1,0 +1,154 @@
+"""Packed 4-bit weights: GGUF blocks read exactly (against the `gguf` package's own
+dequantizer), the packed matmul against the dequantized one on both of its paths, the row
+lookup of a packed embedding, when a layer packs and when it falls back, and a packed GGUF
+model against HF transformers on the same dequantized weights."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from kiln.layers.linear import Linear
+from kiln.layers.packed import DEQUANT_MIN_ROWS, Int4Codes, PackedInt4, QuantizedTensor
+from kiln.loader.gguf_quant import gguf_codes
+from tests.conftest import packed_kind
+
+T = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+BF16_ULP = 2**-8  # bf16 keeps 8 significant bits
+
+
+def _weights(n: int, k: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
+
+
+def _q4_k_blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random Q4_K rows (the gguf package has no Q4_K quantizer): random scale and code bytes,
+    d and dmin small positive fp16."""
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        d = rng.uniform(1e-3, 1e-2, (n, k // 256)).astype(np.float16)
+        blocks[..., at : at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def _gguf_tensor(kind: str, n: int, k: int) -> tuple[np.ndarray, QuantizedTensor]:
+    """(the gguf package's dequantized values, kiln's planes) of one random matrix."""
+    data = _q4_k_blocks(n, k) if kind == "Q4_K" else gguf.quants.quantize(_weights(n, k), T[kind])
+    return gguf.quants.dequantize(data, T[kind]), gguf_codes(kind, data, (n, k))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+def test_gguf_blocks_read_exactly(kind):
+    ref, planes = _gguf_tensor(kind, 64, 512)
+    assert len(planes.planes) == (2 if kind == "Q8_0" else 1)
+    assert all(int(p.codes.max()) <= 15 for p in planes.planes)
+    np.testing.assert_array_equal(planes.dequantize().numpy(), ref)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, 5, DEQUANT_MIN_ROWS + 44])  # the int4 kernel, then dequant
+@pytest.mark.parametrize("n", [192, 100])  # 100: rows padded to the kernel's block of 64
+def test_packed_matmul_matches_dequantized(kind, rows, n):
+    k = 512
+    ref_w, planes = _gguf_tensor(kind, n, k)
+    packed = PackedInt4(planes, CPU)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
+    bias = torch.randn(n)
+    y = packed(x, bias)
+    assert y.shape == (rows, n) and y.dtype == torch.float32
+    # the kernels take bf16 activations and bf16 scales and return bf16: a few bf16 ulps of
+    # the output's magnitude; a wrong code order or scale would be off by the magnitude itself
+    ref = x.bfloat16().float() @ torch.from_numpy(ref_w).t() + bias
+    torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_ULP * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_packed_rows_are_the_dequantized_rows(kind):
+    ref_w, planes = _gguf_tensor(kind, 200, 256)
+    packed = PackedInt4(planes, CPU)
+    ids = torch.tensor([0, 199, 63, 64, 95, 96, 127, 5, 5])
+    rows = packed.rows(ids, torch.float32)
+    ref = torch.from_numpy(ref_w)[ids]
+    torch.testing.assert_close(rows, ref, rtol=0, atol=2 * BF16_ULP * ref.abs().max().item())
+    torch.testing.assert_close(packed.dequantize(), torch.from_numpy(ref_w), rtol=0,
+                               atol=2 * BF16_ULP * np.abs(ref_w).max())  # fmt: skip
+
+
+def _linear_with_parts(parts: list[QuantizedTensor | torch.Tensor]) -> Linear:
+    k = parts[0].shape[1]
+    linear = Linear(k, sum(p.shape[0] for p in parts))
+    start = 0
+    for i, part in enumerate(parts):
+        linear.load_weight(f"part{i}", part, slice(start, start + part.shape[0]))
+        start += part.shape[0]
+    linear.finalize(CPU)
+    return linear
+
+
+def test_fused_layer_packs_its_quantized_parts():
+    (wq, q), (wk, kk) = _gguf_tensor("Q4_0", 128, 256), _gguf_tensor("Q4_1", 64, 256)
+    linear = _linear_with_parts([q, kk])
+    assert linear.layout == "int4" and linear.weight is None
+    x = torch.randn(3, 256)
+    ref = x.bfloat16().float() @ torch.from_numpy(np.concatenate([wq, wk])).t()
+    torch.testing.assert_close(linear(x), ref, rtol=0, atol=4 * BF16_ULP * ref.abs().max().item())
+
+
+def test_layer_of_mixed_formats_is_dequantized_with_its_reason():
+    (wq, q), dense = _gguf_tensor("Q4_0", 64, 256), torch.randn(32, 256)
+    linear = _linear_with_parts([q, dense])
+    assert linear.layout != "int4" and "mix" in linear.fallback_reason
+    x = torch.randn(2, 256)
+    ref = x @ torch.cat([torch.from_numpy(wq), dense]).t()
+    torch.testing.assert_close(linear(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_group_size_without_a_kernel_is_dequantized():
+    codes = torch.randint(0, 16, (64, 96), dtype=torch.uint8)
+    plane = Int4Codes(codes, torch.rand(64, 4) + 0.1, torch.zeros(64, 4), group_size=24)
+    linear = _linear_with_parts([QuantizedTensor("test", [plane])])
+    assert linear.layout != "int4" and "group size 24" in linear.fallback_reason
+    x = torch.randn(2, 96)
+    torch.testing.assert_close(linear(x), x @ plane.dequantize().t(), rtol=1e-5, atol=1e-5)
+
+
+def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, packed_gguf):
+    """The tiny Llama as Q4_0 (attention), Q4_1 (MLP) and Q8_0 (embedding, head) GGUF; HF
+    transformers runs the same values dequantized by the gguf package, in float32. kiln's
+    packed linears take bf16 activations and round their outputs to bf16, two layers deep:
+    logits agree to a few bf16 ulps of their magnitude (1.8 measured, 8 allowed), and the
+    greedy picks agree."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["llama"]).eval()
+    with torch.no_grad():  # the reference: the same quantized values, dequantized
+        for name, p in hf.named_parameters():
+            if p.ndim == 2:
+                q = gguf.quants.quantize(p.numpy(), packed_kind(name))
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, packed_kind(name))))
+    path = packed_gguf
+    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
+    tokenizer = tiny_models["llama"]
+    ours, tokens = _greedy_logits(str(path), "auto", prompt, tokenizer)
+    with torch.no_grad():  # HF on the sequence kiln produced: the logits of each step
+        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
+    assert tokens == ref.argmax(-1).tolist()
+    dense, _ = _greedy_logits(str(path), "none", prompt, tokenizer)  # float32 throughout
+    torch.testing.assert_close(dense, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+
+
+def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: str):
+    """kiln's logits of 4 greedy steps (a prefill, three decodes) and its tokens."""
+    from kiln import SamplingParams
+    from tests.helpers import make_engine, run_schedule
+
+    engine = make_engine(path, quantization=quantization, tokenizer=tokenizer)
+    packed = sum(isinstance(m, PackedInt4) for m in engine.runner.model.modules())
+    assert packed == (2 * 4 + 2 if quantization == "auto" else 0)  # 2 layers x 4, embed, head
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    return torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
