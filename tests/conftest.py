@@ -164,6 +164,15 @@ def smollm_llm(smollm_path):
 
 
 @pytest.fixture(scope="session")
+def smollm_dense_llm(smollm_path):
+    """The embedded model dequantized to float32 (--quantization none): HF's numbers, and
+    greedy output that does not change with how requests are batched."""
+    from kiln import LLM
+
+    return LLM(kv_cache_memory="512MiB", max_num_seqs=16, quantization="none")
+
+
+@pytest.fixture(scope="session")
 def hf_smollm(smollm_path):
     from transformers import AutoModelForCausalLM
 

@@ -209,3 +209,48 @@ def test_cuda_graphs_of_pieces_without_inductor_equal_eager(
     _assert_equals_reference(finals, logits, ref, ref_logits)
     st = engine.stats().graphs
     assert st["steps"]["FULL"] > 0 and st["steps"]["PIECEWISE"] > 0 and st["graph_misses"] == 0
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+def test_packed_matmul_on_cuda_matches_dequantized_and_replays_in_a_graph(kind):
+    """tinygemm's int4 kernel on the packed planes, eager and replayed in a CUDA graph."""
+    from kiln.layers.packed import PackedInt4
+    from tests.test_packed import BF16_ULP, _gguf_tensor
+
+    ref_w, planes = _gguf_tensor(kind, 200, 512)  # 200 rows: padded to tinygemm's 8
+    packed = PackedInt4(planes, torch.device("cuda"))
+    w = torch.from_numpy(ref_w).cuda()
+    for rows in (1, 7, 300):
+        x = torch.randn(rows, 512, device="cuda")
+        ref = x.bfloat16().float() @ w.t()
+        torch.testing.assert_close(packed(x), ref, rtol=0,
+                                   atol=4 * BF16_ULP * ref.abs().max().item())  # fmt: skip
+    static_x = torch.randn(4, 512, device="cuda")
+    packed(static_x)  # warm
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = packed(static_x)
+    static_x.copy_(torch.randn(4, 512, device="cuda"))
+    graph.replay()
+    torch.testing.assert_close(static_y, packed(static_x), rtol=0, atol=0)
+
+
+def test_packed_model_in_full_and_piecewise_graphs_equals_eager(tiny_models, packed_gguf):
+    def engine(config: CompilationConfig) -> LLMEngine:
+        scheduler = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
+        cache = CacheConfig(block_size=16, kv_cache_memory=PREEMPTING)
+        return LLMEngine(
+            EngineConfig(model=packed_gguf, tokenizer=tiny_models["llama"], device="cuda",
+                         cache=cache, scheduler=scheduler, compilation=config)
+        )  # fmt: skip
+
+    eager = engine(CompilationConfig(mode=0, cudagraph_mode="NONE"))
+    ref, ref_logits = run_schedule(eager, _workload(), record_logits=True)
+    config = CompilationConfig(
+        mode=3, cudagraph_mode="FULL_AND_PIECEWISE", cudagraph_capture_sizes=SIZES
+    )
+    graphs = engine(config)
+    assert graphs.runner.model.layers[0].mlp.down_proj.layout == "int4"
+    finals, logits = run_schedule(graphs, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, ref, ref_logits)
+    assert graphs.stats().graphs["graph_misses"] == 0

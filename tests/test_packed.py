@@ -51,20 +51,33 @@ def test_gguf_blocks_read_exactly(kind):
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 5, DEQUANT_MIN_ROWS + 44])  # the int4 kernel, then dequant
+@pytest.mark.parametrize("rows", [1, 5, DEQUANT_MIN_ROWS + 44])  # bf16: the kernel, then dequant
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [192, 100])  # 100: rows padded to the kernel's block of 64
-def test_packed_matmul_matches_dequantized(kind, rows, n):
+def test_packed_matmul_matches_dequantized(kind, rows, dtype, n):
     k = 512
     ref_w, planes = _gguf_tensor(kind, n, k)
     packed = PackedInt4(planes, CPU)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1))
-    bias = torch.randn(n)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(dtype)
+    bias = torch.randn(n).to(dtype)
     y = packed(x, bias)
-    assert y.shape == (rows, n) and y.dtype == torch.float32
-    # the kernels take bf16 activations and bf16 scales and return bf16: a few bf16 ulps of
-    # the output's magnitude; a wrong code order or scale would be off by the magnitude itself
-    ref = x.bfloat16().float() @ torch.from_numpy(ref_w).t() + bias
-    torch.testing.assert_close(y, ref, rtol=0, atol=4 * BF16_ULP * ref.abs().max().item())
+    assert y.shape == (rows, n) and y.dtype == dtype
+    # bf16 scales and bf16 outputs (and bf16 activations in a bf16 model): a few bf16 ulps of
+    # the output's magnitude; a wrong code order or scale is off by the magnitude itself
+    ref = x.float() @ torch.from_numpy(ref_w).t() + bias.float()
+    tol = (4 if dtype == torch.float32 else 8) * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+def test_a_float32_row_does_not_depend_on_its_batch():
+    """The CPU kernel computes each row alone: the same row alone, among 7, or among 300."""
+    _, planes = _gguf_tensor("Q4_1", 192, 512)
+    packed = PackedInt4(planes, CPU)
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(0, 300, 37)])
+    for batch in (x[:7], x):
+        rows = packed(batch)[: len(batch)][::37]
+        assert torch.equal(rows, alone[: len(rows)])
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -182,7 +182,10 @@ class EngineConfig:
     seed: int = field(
         default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")
     )
-    tokenizer: str | None = None  # an HF directory's tokenizer instead of the model's own
+    tokenizer: str | None = field(
+        default=None,
+        metadata=option(str, "an HF directory whose tokenizer replaces the model's own"),
+    )
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     compilation: CompilationConfig = field(

@@ -8,11 +8,14 @@ That is the map of PyTorch's int4 kernels (`_weight_int4pack_mm_for_cpu`, tinyge
 exactly (only their fp16 scales round to bf16); Q8_0 is two: its int8 q = 16 * hi + lo splits
 into a high plane (hi + 8, scale 16d) and a low one (lo, scale d, zero 8d), whose products add.
 
-On the CPU the int4 kernel is a matrix-vector kernel: 2-2.5x faster than oneDNN's bf16 linear
-for one row, but its time grows with the rows, and from about 256 rows dequantizing the weight
-to bf16 and running one dense matmul is faster (docs/performance.md, "Packed weights"). The
-op picks by the row count at run time: the row count is dynamic in compiled graphs, so the
-choice cannot be made while tracing."""
+The kernels take bf16 activations and return bf16. A float32 model's rows go in split in two
+(the bf16 value and the bf16 of the remainder, products added in float32): 16 bits of each
+activation. The CPU kernel computes each row on its own, so a float32 model's results do not
+depend on what else is in the batch. On the CPU it is a matrix-vector kernel whose time grows
+with the rows: for a bf16 model, from 256 rows on (prefill chunks), dequantizing the weight to
+bf16 and running one dense matmul is faster (docs/performance.md, "Packed weights"), at the
+price of that independence. The op picks by the row count at run time: the row count is
+dynamic in compiled graphs, so the choice cannot be made while tracing."""
 
 from __future__ import annotations
 
@@ -24,7 +27,7 @@ from torch import nn
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 CPU_BLOCK_N = 64  # the CPU kernel's layout: [N / 64, K, 32] bytes, n and n + 32 in one byte
-DEQUANT_MIN_ROWS = 256  # from here on the CPU, dequantize + dense matmul beats the int4 kernel
+DEQUANT_MIN_ROWS = 256  # bf16 on the CPU: from here on dequantize + dense matmul is faster
 
 
 @dataclass
@@ -127,8 +130,11 @@ class PackedInt4(nn.Module):
         packed, scales_zeros = self.planes()
         if packed[0].device.type != "cpu":
             raise NotImplementedError("dequantizing a tinygemm-packed weight")
-        out = [cpu_dequantize_t(p, sz, self.group_size) for p, sz in zip(packed, scales_zeros)]
-        w = functools.reduce(torch.add, (t.float() for t in out))
+        out = [
+            cpu_dequantize_t(p, sz, self.group_size, torch.float32)
+            for p, sz in zip(packed, scales_zeros)
+        ]
+        w = functools.reduce(torch.add, out)
         return w.t()[: self.out_features]
 
     def nbytes(self) -> int:
@@ -168,14 +174,19 @@ def cpu_layout_is_known() -> bool:
     return bool(torch.equal(back, codes.float()))
 
 
-def cpu_dequantize_t(packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int):
-    """W^T [K, N] in bf16 from the CPU layout: the large-batch path."""
+def cpu_dequantize_t(
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """W^T [K, N] in `dtype` from the CPU layout: the large-batch path."""
     k = packed.shape[1] * 2
     blocks = packed.view(-1, k, CPU_BLOCK_N // 2)
-    out = torch.empty(k, blocks.shape[0], 2, CPU_BLOCK_N // 2, dtype=torch.bfloat16)
+    out = torch.empty(k, blocks.shape[0], 2, CPU_BLOCK_N // 2, dtype=dtype)
     out[:, :, 0].copy_(torch.bitwise_and(blocks, 15).transpose(0, 1))
     out[:, :, 1].copy_(torch.bitwise_right_shift(blocks, 4).transpose(0, 1))
-    scale, zero = scales_zeros.unbind(-1)
+    scale, zero = scales_zeros.to(dtype).unbind(-1)
     w = out.view(k // group_size, group_size, -1)
     w.mul_(scale.unsqueeze(1)).add_((zero - 8 * scale).unsqueeze(1))
     return out.view(k, -1)
@@ -202,27 +213,45 @@ def _int4_linear(
     bias: torch.Tensor | None,
 ) -> torch.Tensor:
     shape = x.shape
-    rows = x.reshape(-1, shape[-1]).to(torch.bfloat16)
-    if rows.device.type == "cpu" and rows.shape[0] >= DEQUANT_MIN_ROWS:
-        w_t = functools.reduce(
-            torch.add, (cpu_dequantize_t(p, sz, group_size) for p, sz in zip(packed, scales_zeros))
-        )
-        y = rows @ w_t
+    rows = x.reshape(-1, shape[-1])
+    if rows.device.type == "cpu" and rows.dtype != torch.float32 and len(rows) >= DEQUANT_MIN_ROWS:
+        y = _dequantized_matmul(rows, packed, scales_zeros, group_size)
     else:
-        mm = (
-            torch.ops.aten._weight_int4pack_mm_for_cpu
-            if rows.device.type == "cpu"
-            else torch.ops.aten._weight_int4pack_mm
-        )
-        y = functools.reduce(
-            torch.add, (mm(rows, p, group_size, sz) for p, sz in zip(packed, scales_zeros))
-        )
+        y = _kernel_matmul(rows, packed, scales_zeros, group_size)
     if y.shape[1] != out_features:
         y = y[:, :out_features]
     y = y.to(x.dtype)
     if bias is not None:
         y = y + bias
     return y.view(*shape[:-1], out_features)
+
+
+def _kernel_matmul(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
+    """The int4 kernel. It takes bf16 rows; a float32 row goes in as two, its bf16 value and
+    the bf16 of what that leaves, whose products add: 16 bits of the activation instead of 8
+    (+20% time at one row, measured). bf16 alone on both the activations and the kernel's
+    bf16 output flips the embedded model's answer to a shipped probe; either alone does not."""
+    mm = (
+        torch.ops.aten._weight_int4pack_mm_for_cpu
+        if rows.device.type == "cpu"
+        else torch.ops.aten._weight_int4pack_mm
+    )
+    high = rows.to(torch.bfloat16)
+    split = rows.dtype == torch.float32
+    if split:
+        high = torch.cat([high, (rows - high.float()).to(torch.bfloat16)])
+    y = functools.reduce(
+        torch.add, (mm(high, p, group_size, sz).float() for p, sz in zip(packed, scales_zeros))
+    )
+    return y[: rows.shape[0]] + y[rows.shape[0] :] if split else y
+
+
+def _dequantized_matmul(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
+    """Many bf16 rows (a prefill chunk): the weight dequantized once, one dense bf16 matmul."""
+    w_t = functools.reduce(
+        torch.add, (cpu_dequantize_t(p, sz, group_size) for p, sz in zip(packed, scales_zeros))
+    )
+    return rows.to(torch.bfloat16) @ w_t
 
 
 # An opaque op in compiled graphs: Inductor's generated code calls it directly (through the

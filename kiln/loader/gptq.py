@@ -8,7 +8,8 @@ the group of each input column) and `x.proj.bias`. The weight is w[n, k] = scale
 "auto_round:auto_gptq") stores each zero point minus one; "gptq_v2" stores it as it is.
 
 As the int4 kernels' map (code - 8) * scale + zero': scale' = scale, zero' = scale (8 - zero).
-8-bit codes become two 4-bit planes (q = 16 hi + lo), as GGUF's Q8_0 does."""
+8-bit codes become two 4-bit planes (q = 16 hi + lo), as GGUF's Q8_0 does, the zero point
+split the same way."""
 
 from __future__ import annotations
 
@@ -99,12 +100,14 @@ def gptq_tensor(name: str, parts: dict[str, torch.Tensor], fmt: GPTQFormat) -> Q
     scales, zeros, group = _kernel_groups(scales, zeros, group)
     if fmt.bits == 4:
         return QuantizedTensor(fmt.method, [_plane(q, scales, scales * (8 - zeros), group)])
-    high, low = q >> 4, q & 15  # w = s (16 hi + lo - z): planes 16 s hi and s (lo - z)
+    # w = s (16 hi + lo - z), z = 16 zh + zl: planes 16 s (hi - zh) and s (lo - zl), whose
+    # zeros stay small multiples of s (exact in bf16 for the symmetric z = 128)
+    high, low, zh, zl = q >> 4, q & 15, torch.div(zeros, 16, rounding_mode="floor"), zeros % 16
     return QuantizedTensor(
         fmt.method,
         [
-            _plane(high, 16 * scales, 128 * scales, group),
-            _plane(low, scales, scales * (8 - zeros), group),
+            _plane(high, 16 * scales, 16 * scales * (8 - zh), group),
+            _plane(low, scales, scales * (8 - zl), group),
         ],
     )
 

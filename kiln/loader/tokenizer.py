@@ -29,6 +29,11 @@ class Tokenizer:
     def from_directory(cls, path: str, eos_token_ids: tuple[int, ...] = ()) -> Tokenizer:
         from transformers import AutoTokenizer
 
+        if not os.path.isdir(path):
+            raise ModelLoadError(
+                f"tokenizer {path!r} is not a directory: pass a local HF directory with "
+                "tokenizer files (kiln never downloads)"
+            )
         try:
             hf = AutoTokenizer.from_pretrained(path, local_files_only=True)
         except (OSError, ValueError) as exc:
