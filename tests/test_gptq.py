@@ -114,8 +114,11 @@ def test_w4a16_checkpoint_matches_hf_on_the_dequantized_weights(tiny_models, tmp
     ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    # bf16 activations and outputs in the packed linears (test_packed.py): a few bf16 ulps
-    torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
+    # bf16 outputs of each plane's product (test_packed.py): a few bf16 ulps per plane
+    # (measured: 2.9 and 2.2 for 4 bits, 9.6 for 8 bits, whose low plane's zero term is large)
+    planes = 2 if config["bits"] == 8 else 1
+    tol = 8 * planes * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=tol)
     assert tokens == ref.argmax(-1).tolist()
     dense = make_engine(str(path), quantization="none")  # dequantized at load, float32
     out, logits = run_schedule(dense, [(0, prompt, params)], record_logits=True)

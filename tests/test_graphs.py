@@ -85,13 +85,13 @@ def references(tiny_models):
     return {b: _reference(tiny_models["llama"], b) for b in ("torch", "triton")}
 
 
-def _assert_equals_reference(finals, logits, reference) -> None:
-    """Eager's greedy tokens, and its logits within float32 noise, for every request."""
+def _assert_equals_reference(finals, logits, reference, tol: float = 1e-4) -> None:
+    """Eager's greedy tokens, and its logits within float32 noise (`tol`), for every request."""
     ref, ref_logits = reference
     for rid in ref:
         assert finals[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
         a, b = torch.stack(logits[rid]), torch.stack(ref_logits[rid])
-        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4 * b.abs().max().item())
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol * b.abs().max().item())
 
 
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), MODES)
@@ -128,13 +128,16 @@ def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, 
 def test_graph_modes_of_a_packed_model_equal_eager(
     tiny_models, packed_gguf, graph_mode, mode, backend, ran
 ):
-    """4-bit packed weights (the op `kiln::int4_linear`, its two kernels picked by the row
+    """4-bit packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
     count at run time) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
     tokenizer = tiny_models["llama"]
     engine = _engine(packed_gguf, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
     assert engine.runner.model.layers[0].mlp.down_proj.layout == "int4"
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    _assert_equals_reference(finals, logits, _reference(packed_gguf, backend, tokenizer))
+    # the kernel rounds its outputs to bf16: Inductor's float32 reassociations move a few
+    # logits by an ulp of bf16 (2**-8), the rest is float32 noise
+    reference = _reference(packed_gguf, backend, tokenizer)
+    _assert_equals_reference(finals, logits, reference, tol=2**-7)
     st = engine.stats()
     assert {m for m, n in st.graphs["steps"].items() if n} == ran
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0

@@ -96,7 +96,7 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
 
 
 class PackedInt4(nn.Module):
-    """The packed planes of one weight matrix and its matmul (the op `kiln::int4_linear`)."""
+    """The packed planes of one weight matrix, its matmul and its rows."""
 
     def __init__(self, t: QuantizedTensor, device: torch.device) -> None:
         super().__init__()
@@ -114,10 +114,23 @@ class PackedInt4(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """Plain tensor ops around the kernel calls, so that in mode 3 Inductor fuses the
+        split of float32 rows and the sums into the ops next to them."""
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        split = rows.dtype == torch.float32
+        high = split_float32(rows) if split else rows.to(torch.bfloat16)
         packed, scales_zeros = self.planes()
-        return torch.ops.kiln.int4_linear(
-            x, packed, scales_zeros, self.group_size, self.out_features, bias
-        )
+        y = functools.reduce(torch.add, (
+            int4_matmul(high, p, sz, self.group_size, dequant_ok=not split).float()
+            for p, sz in zip(packed, scales_zeros)
+        ))  # fmt: skip
+        if split:
+            y = y[: rows.shape[0]] + y[rows.shape[0] :]
+        y = y[:, : self.out_features].to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*shape[:-1], self.out_features)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), CPU layout only."""
@@ -204,68 +217,49 @@ def cpu_rows(packed: torch.Tensor, scales_zeros: torch.Tensor, ids: torch.Tensor
     return (codes - 8) * sz[..., 0].t() + sz[..., 1].t()
 
 
-def _int4_linear(
-    x: torch.Tensor,
-    packed: list[torch.Tensor],
-    scales_zeros: list[torch.Tensor],
-    group_size: int,
-    out_features: int,
-    bias: torch.Tensor | None,
+def split_float32(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [R, K] -> bf16 [2R, K]: the top 16 bits of each value (exact in bf16), then
+    the rest rounded to bf16; their sum holds 16 significant bits. Cut with a bit mask, not
+    by rounding to bf16 and back: Inductor keeps bf16 intermediates in float32, and would
+    make that round trip a no-op and the rest zero."""
+    high = (rows.view(torch.int32) & -65536).view(torch.float32)
+    return torch.cat([high, rows - high]).to(torch.bfloat16)
+
+
+def int4_matmul(
+    rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
+    dequant_ok: bool,
+) -> torch.Tensor:  # fmt: skip
+    """bf16 [R, K] times one packed plane -> bf16 [R, N padded]. The kernel itself where each
+    row must not depend on the batch (float32 models) or on CUDA (tinygemm, capturable): an
+    aten op, which Inductor calls from its generated code. Else the op `kiln::int4_mm`, which
+    picks the kernel or dequantize + matmul by the row count at run time."""
+    if rows.device.type != "cpu":
+        return torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_zeros)
+    if dequant_ok:
+        return torch.ops.kiln.int4_mm(rows, packed, scales_zeros, group_size)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+
+
+def _int4_mm(
+    rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    shape = x.shape
-    rows = x.reshape(-1, shape[-1])
-    if rows.device.type == "cpu" and rows.dtype != torch.float32 and len(rows) >= DEQUANT_MIN_ROWS:
-        y = _dequantized_matmul(rows, packed, scales_zeros, group_size)
-    else:
-        y = _kernel_matmul(rows, packed, scales_zeros, group_size)
-    if y.shape[1] != out_features:
-        y = y[:, :out_features]
-    y = y.to(x.dtype)
-    if bias is not None:
-        y = y + bias
-    return y.view(*shape[:-1], out_features)
+    """bf16 rows on the CPU: up to DEQUANT_MIN_ROWS the kernel, from there the weight
+    dequantized to bf16 and one dense matmul (faster for prefill chunks, measured)."""
+    if rows.shape[0] < DEQUANT_MIN_ROWS:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+    return rows @ cpu_dequantize_t(packed, scales_zeros, group_size)
 
 
-def _kernel_matmul(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
-    """The int4 kernel. It takes bf16 rows; a float32 row goes in as two, its bf16 value and
-    the bf16 of what that leaves, whose products add: 16 bits of the activation instead of 8
-    (+20% time at one row, measured). bf16 alone on both the activations and the kernel's
-    bf16 output flips the embedded model's answer to a shipped probe; either alone does not."""
-    mm = (
-        torch.ops.aten._weight_int4pack_mm_for_cpu
-        if rows.device.type == "cpu"
-        else torch.ops.aten._weight_int4pack_mm
-    )
-    high = rows.to(torch.bfloat16)
-    split = rows.dtype == torch.float32
-    if split:
-        high = torch.cat([high, (rows - high.float()).to(torch.bfloat16)])
-    y = functools.reduce(
-        torch.add, (mm(high, p, group_size, sz).float() for p, sz in zip(packed, scales_zeros))
-    )
-    return y[: rows.shape[0]] + y[rows.shape[0] :] if split else y
-
-
-def _dequantized_matmul(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
-    """Many bf16 rows (a prefill chunk): the weight dequantized once, one dense bf16 matmul."""
-    w_t = functools.reduce(
-        torch.add, (cpu_dequantize_t(p, sz, group_size) for p, sz in zip(packed, scales_zeros))
-    )
-    return rows.to(torch.bfloat16) @ w_t
-
-
-# An opaque op in compiled graphs: Inductor's generated code calls it directly (through the
-# dispatcher, about 3 us a call), and it picks the kernel by the row count it is given.
+# Opaque in compiled graphs (the row count is dynamic there, so the choice is made at run
+# time): Inductor's generated code calls it through the dispatcher, about 3 us a call.
 _LIB = torch.library.Library("kiln", "FRAGMENT")
-_LIB.define(
-    "int4_linear(Tensor x, Tensor[] packed, Tensor[] scales_zeros, int group_size, "
-    "int out_features, Tensor? bias) -> Tensor"
-)
-_LIB.impl("int4_linear", _int4_linear, "CompositeExplicitAutograd")
+_LIB.define("int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
+_LIB.impl("int4_mm", _int4_mm, "CompositeExplicitAutograd")
 torch.library.register_fake(
-    "kiln::int4_linear",
-    lambda x, packed, scales_zeros, group_size, out_features, bias: x.new_empty(
-        *x.shape[:-1], out_features
+    "kiln::int4_mm",
+    lambda rows, packed, scales_zeros, group_size: rows.new_empty(
+        rows.shape[0], scales_zeros.shape[1]
     ),
     lib=_LIB,
 )
