@@ -13,7 +13,9 @@ class VocabEmbedding(nn.Module):
     def __init__(self, vocab_size: int, dim: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
-        self.dtype = self.weight.dtype  # the model's: a packed lookup returns it
+        # the model's dtype, which a packed lookup returns; a tensor, not a torch.dtype
+        # attribute, which Dynamo's saved guards cannot hold (it breaks the saved trace)
+        self.register_buffer("out_dtype", torch.empty(0), persistent=False)
         self.packed_head: torch.Tensor | None = None
         self.packed: PackedInt4 | None = None  # a 4-bit table: lookup and head read it
         self.quantized: QuantizedTensor | None = None  # until finalize
@@ -56,7 +58,7 @@ class VocabEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
-            return self.packed.rows(input_ids, self.dtype)
+            return self.packed.rows(input_ids, self.out_dtype.dtype)
         return F.embedding(input_ids, self.weight)
 
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
