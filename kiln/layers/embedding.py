@@ -33,6 +33,7 @@ class VocabEmbedding(nn.Module):
             )
         if isinstance(weight, QuantizedTensor):
             self.quantized = weight
+            self._pack(self.weight.device)  # now: the load never holds all codes at once
         else:
             self.weight.data.copy_(weight)
 
@@ -41,20 +42,22 @@ class VocabEmbedding(nn.Module):
         lookup (on CUDA tinygemm's layout cannot, so it is dequantized). Otherwise, on the CPU
         a tied LM head runs fastest from oneDNN's packed layout (see Linear); the lookup table
         stays as it is, so this costs one more copy of the embedding."""
-        if self.quantized is not None:
-            reason = unpackable_reason(self.quantized, device)
-            if device.type != "cpu":
-                reason = reason or "tinygemm's layout has no row lookup"
-            if reason is None:
-                self.packed = PackedInt4(self.quantized, device)
-                self.weight = None  # type: ignore[assignment]
-                self.quantized = None
-                return
-            self.fallback_reason = reason
-            self.weight.data.copy_(self.quantized.dequantize())
-            self.quantized = None
+        if self.packed is not None:
+            return
         if device.type == "cpu" and used_as_lm_head and self.packed_head is None:
             self.packed_head = prepack_for_cpu(self.weight)
+
+    def _pack(self, device: torch.device) -> None:
+        reason = unpackable_reason(self.quantized, device)
+        if device.type != "cpu":
+            reason = reason or "tinygemm's layout has no row lookup"
+        if reason is None:
+            self.packed = PackedInt4(self.quantized, device)
+            self.weight = None  # type: ignore[assignment]
+        else:
+            self.fallback_reason = reason
+            self.weight.data.copy_(self.quantized.dequantize())
+        self.quantized = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -41,6 +41,10 @@ class Linear(nn.Module):
             )
         if isinstance(weight, QuantizedTensor):
             self.quantized_parts[0 if rows is None else rows.start] = weight
+            # packed as soon as the parts cover the layer: the load never holds every
+            # layer's codes at once (the weight is on the model's device)
+            if sum(p.shape[0] for p in self.quantized_parts.values()) == self.out_features:
+                self._pack(self.weight.device)
             return
         target.copy_(weight)
 
@@ -56,8 +60,8 @@ class Linear(nn.Module):
 
     def finalize(self, device: torch.device) -> None:
         """Called once after every weight is loaded."""
-        if self.quantized_parts and self._pack(device):
-            return
+        if self.quantized_parts:  # parts that never covered the layer: dequantized
+            self._pack(device)
         if device.type != "cpu" or self.layout != "dense":
             return
         packed = prepack_for_cpu(self.weight)

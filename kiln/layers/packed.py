@@ -121,12 +121,11 @@ class PackedInt4(nn.Module):
         split = rows.dtype == torch.float32
         high = split_float32(rows) if split else rows.to(torch.bfloat16)
         packed, scales_zeros = self.planes()
-        y = functools.reduce(torch.add, (
-            int4_matmul(high, p, sz, self.group_size, dequant_ok=not split).float()
-            for p, sz in zip(packed, scales_zeros)
-        ))  # fmt: skip
+        y = int4_matmul(high, packed[0], scales_zeros[0], self.group_size, not split).float()
+        if len(packed) == 2:
+            y.add_(int4_matmul(high, packed[1], scales_zeros[1], self.group_size, not split))
         if split:
-            y = y[: rows.shape[0]] + y[rows.shape[0] :]
+            y = y[: rows.shape[0]].add_(y[rows.shape[0] :])
         y = y[:, : self.out_features].to(x.dtype)
         if bias is not None:
             y = y + bias
@@ -164,8 +163,11 @@ def pack_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, to
         codes = torch.cat([codes, codes.new_full((pad, codes.shape[1]), 8)])
         scale, zero = (torch.cat([t, t.new_zeros(pad, t.shape[1])]) for t in (scale, zero))
     scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-    if device.type == "cpu":
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int().contiguous(), 2)
+    if device.type == "cpu":  # by blocks of rows: the kernel's int32 input is 4 bytes a code
+        packed = torch.cat([
+            torch.ops.aten._convert_weight_to_int4pack_for_cpu(chunk.int().contiguous(), 2)
+            for chunk in codes.split(64 * 64)
+        ])  # fmt: skip
     else:  # tinygemm takes two codes per byte, the even column in the high nibble
         pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).to(device)
         k = codes.shape[1]

@@ -1,0 +1,121 @@
+"""Write a random-weight GGUF with a real model's shapes, for speed comparisons where no real
+file of that size is on the machine: kiln and llama.cpp both load it.
+
+    python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_0 --out /tmp/l1b-q4_0.gguf
+    python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K --out /tmp/l1b-q4_k.gguf
+
+Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
+a standard deviation near 0.02 and the activations stay finite; norms are ones. The tokenizer is
+the embedded SmolLM2 file's (its metadata copied), its vocabulary padded with unused tokens to
+the model's size. The answers are noise: a profile for this file has no probes."""
+
+from __future__ import annotations
+
+import argparse
+
+import gguf
+import numpy as np
+
+from kiln.default_model import default_model_path
+from kiln.loader.gguf_file import GGUFFile
+
+SHAPES = {
+    "llama-3.2-1b": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8,
+                         head_dim=64, vocab=128256, theta=500000.0, context=8192),
+    "qwen3-0.6b-shapes-llama": dict(layers=28, hidden=1024, intermediate=3072, heads=16,
+                                    kv_heads=8, head_dim=128, vocab=151936, theta=1000000.0,
+                                    context=32768),
+}  # fmt: skip
+T = gguf.GGMLQuantizationType
+TARGET_STD = 0.02
+
+
+def _q4_0(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, (n, k // 32, 18), dtype=np.uint8)
+    d = np.full((n, k // 32), TARGET_STD / 4.6, dtype=np.float16)  # std of (q - 8) is 4.6
+    blocks[..., 0:2] = d.view(np.uint8).reshape(n, k // 32, 2)
+    return blocks.reshape(n, -1)
+
+
+def _q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    d = TARGET_STD / (31.5 * 4.6)  # six-bit scales average 31.5
+    for at, value in ((0, d), (2, 7.5 * d)):  # dmin centres the codes' mean (7.5) on zero
+        field = np.full((n, k // 256), value, dtype=np.float16)
+        blocks[..., at : at + 2] = field.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
+    source = GGUFFile(default_model_path()).fields
+    tokens = list(source["tokenizer.ggml.tokens"])
+    extra = vocab - len(tokens)
+    writer.add_tokenizer_model(source["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(source.get("tokenizer.ggml.pre", "default"))
+    writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(extra)])
+    writer.add_token_types(list(source["tokenizer.ggml.token_type"]) + [5] * extra)  # unused
+    writer.add_token_merges(source["tokenizer.ggml.merges"])
+    for key, add in (
+        ("bos", writer.add_bos_token_id),
+        ("eos", writer.add_eos_token_id),
+        ("padding", writer.add_pad_token_id),
+        ("unknown", writer.add_unk_token_id),
+    ):
+        value = source.get(f"tokenizer.ggml.{key}_token_id")
+        if value is not None:
+            add(value)  # fmt: skip
+    if "tokenizer.chat_template" in source:
+        writer.add_chat_template(source["tokenizer.chat_template"])
+
+
+def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
+    s, rng = SHAPES[shape], np.random.default_rng(seed)
+    make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
+    w = gguf.GGUFWriter(out, "llama")
+    w.add_name(f"random {shape} {kind}")
+    w.add_block_count(s["layers"])
+    w.add_context_length(s["context"])
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["intermediate"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_freq_base(s["theta"])
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(s["vocab"])
+    _copy_tokenizer(w, s["vocab"])
+    hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
+
+    def matrix(name: str, n: int, k: int) -> None:
+        w.add_tensor(name, make(rng, n, k), raw_dtype=T[kind])
+
+    matrix("token_embd.weight", s["vocab"], hidden)
+    w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
+    for i in range(s["layers"]):
+        for name, n, k in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden),
+                           ("attn_v", kv_dim, hidden), ("attn_output", hidden, q_dim),
+                           ("ffn_gate", s["intermediate"], hidden),
+                           ("ffn_up", s["intermediate"], hidden),
+                           ("ffn_down", hidden, s["intermediate"])):  # fmt: skip
+            matrix(f"blk.{i}.{name}.weight", n, k)
+        for norm in ("attn_norm", "ffn_norm"):
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
+    parser.add_argument("--type", choices=["Q4_0", "Q4_K"], default="Q4_0")
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    write(args.shape, args.type, args.out)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""The packed linear's paths against the dense ones, side by side in one process, on the
+embedded model's matrix shapes: microseconds per call by row count.
+
+    python benchmarks/packed_linear.py
+    python benchmarks/packed_linear.py --rows 1 2 16 64 256 512 --iters 50
+
+Columns: `int4` is PyTorch's CPU int4 kernel on bf16 rows; `int4 f32` the same for float32
+rows, split in two bf16 rows (what a float32 model runs); `int4 x2` two planes (Q8_0);
+`dequant+mm` the weight dequantized to bf16 and one bf16 matmul (a bf16 model from 256 rows);
+`onednn bf16` and `onednn f32` the dense linears of `--quantization none`. Weights are random;
+every call reads the same weight, so these are cache-warm kernel times (a whole model's step
+streams its weights from memory: benchmarks/decode_step.py)."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kiln.layers.linear import onednn_linear, prepack_for_cpu
+from kiln.layers.packed import Int4Codes, PackedInt4, QuantizedTensor, cpu_dequantize_t
+
+# (name, out features, in features) of SmolLM2-135M's linears
+SHAPES = [
+    ("qkv", 960, 576),
+    ("o", 576, 576),
+    ("gate_up", 3072, 576),
+    ("down", 576, 1536),
+    ("lm_head", 49152, 576),
+]
+
+
+def _time(fn, iters: int) -> float:
+    for _ in range(3):
+        fn()
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return (time.perf_counter() - start) / iters * 1e6
+
+
+def _packed(n: int, k: int, planes: int) -> PackedInt4:
+    g = torch.Generator().manual_seed(0)
+    plane = Int4Codes(
+        torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g),
+        torch.rand(n, k // 32, generator=g) * 0.01,
+        torch.zeros(n, k // 32),
+        32,
+    )
+    return PackedInt4(QuantizedTensor("bench", [plane] * planes), torch.device("cpu"))
+
+
+def measure(n: int, k: int, rows: int, iters: int) -> dict[str, float]:
+    one, two = _packed(n, k, 1), _packed(n, k, 2)
+    dense = torch.randn(n, k)
+    x32 = torch.randn(rows, k)
+    x16 = x32.bfloat16()
+    p16, p32 = prepack_for_cpu(dense.bfloat16()), prepack_for_cpu(dense)
+    sz = one.scales_zeros0
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    its = max(3, iters // max(1, rows // 16)) if n < 10000 else max(3, iters // 10)
+    row = {
+        "int4": _time(lambda: mm(x16, one.packed0, 32, sz), its),
+        "int4 f32": _time(lambda: one(x32), its),
+        "int4 x2": _time(lambda: two(x16), its),
+        "dequant+mm": _time(lambda: x16 @ cpu_dequantize_t(one.packed0, sz, 32), its),
+    }
+    if p16 is not None:
+        row["onednn bf16"] = _time(lambda: onednn_linear(x16, p16), its)
+    if p32 is not None:
+        row["onednn f32"] = _time(lambda: onednn_linear(x32, p32), its)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16, 256, 512])
+    parser.add_argument("--iters", type=int, default=200)
+    args = parser.parse_args()
+    header = None
+    for name, n, k in SHAPES:
+        for rows in args.rows:
+            if name == "lm_head" and rows > 16:
+                continue  # the head only sees the rows that sample
+            row = measure(n, k, rows, args.iters)
+            if header is None:
+                header = list(row)
+                print(f"{'shape':>16} {'rows':>5}" + "".join(f"{h:>13}" for h in header))
+            print(f"{name:>8} {n:>7} {rows:>5}" + "".join(f"{row[h]:13.1f}" for h in header))
+
+
+if __name__ == "__main__":
+    main()
