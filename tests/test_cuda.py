@@ -252,5 +252,7 @@ def test_packed_model_in_full_and_piecewise_graphs_equals_eager(tiny_models, pac
     graphs = engine(config)
     assert graphs.runner.model.layers[0].mlp.down_proj.layout == "int4"
     finals, logits = run_schedule(graphs, _workload(), record_logits=True)
-    _assert_equals_reference(finals, logits, ref, ref_logits)
+    from tests.test_graphs import _assert_equals_within_bf16  # bf16 kernel outputs
+
+    _assert_equals_within_bf16(finals, logits, (ref, ref_logits))
     assert graphs.stats().graphs["graph_misses"] == 0

@@ -134,15 +134,29 @@ def test_graph_modes_of_a_packed_model_equal_eager(
     engine = _engine(packed_gguf, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
     assert engine.runner.model.layers[0].mlp.down_proj.layout == "int4"
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    # the kernel rounds its outputs to bf16: Inductor's float32 reassociations move a few
-    # logits by an ulp of bf16 (2**-8), the rest is float32 noise
-    reference = _reference(packed_gguf, backend, tokenizer)
-    _assert_equals_reference(finals, logits, reference, tol=2**-7)
+    _assert_equals_within_bf16(finals, logits, _reference(packed_gguf, backend, tokenizer))
     st = engine.stats()
     assert {m for m, n in st.graphs["steps"].items() if n} == ran
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
     if mode == 3:  # the packed model's trace saves for later boots like any other
         assert engine.runner.compile_backend.stats.trace in ("traced and saved", "loaded")
+
+
+def _assert_equals_within_bf16(finals, logits, reference, tol: float = 2**-7) -> None:
+    """The packed kernels round their outputs to bf16, so float32 noise (Inductor's fusions)
+    can move a logit by an ulp of bf16: each step's logits within `tol` of eager's, and the
+    same greedy token, unless eager's two best logits were within that noise (a tie, after
+    which the sequences part and are not compared further)."""
+    ref, ref_logits = reference
+    for rid in ref:
+        ours, theirs = finals[rid].outputs[0].token_ids, ref[rid].outputs[0].token_ids
+        for step, (a, b) in enumerate(zip(logits[rid], ref_logits[rid])):
+            bound = tol * b.abs().max().item()
+            torch.testing.assert_close(a, b, rtol=0, atol=bound)
+            if ours[step] != theirs[step]:
+                top2 = b.topk(2).values
+                assert top2[0] - top2[1] <= 2 * bound, (rid, step)
+                break
 
 
 def test_piecewise_graphs_of_uncompiled_pieces_equal_eager(tiny_models, references):

@@ -114,18 +114,15 @@ class PackedInt4(nn.Module):
         ]
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """Plain tensor ops around the kernel calls, so that in mode 3 Inductor fuses the
-        split of float32 rows and the sums into the ops next to them."""
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        split = rows.dtype == torch.float32
-        high = split_float32(rows) if split else rows.to(torch.bfloat16)
         packed, scales_zeros = self.planes()
-        y = int4_matmul(high, packed[0], scales_zeros[0], self.group_size, not split).float()
-        if len(packed) == 2:
-            y.add_(int4_matmul(high, packed[1], scales_zeros[1], self.group_size, not split))
-        if split:
-            y = y[: rows.shape[0]].add_(y[rows.shape[0] :])
+        if rows.device.type == "cpu":
+            y = torch.ops.kiln.int4_mm(rows, packed[0], scales_zeros[0], self.group_size)
+            if len(packed) == 2:
+                y = y + torch.ops.kiln.int4_mm(rows, packed[1], scales_zeros[1], self.group_size)
+        else:
+            y = _tinygemm(rows, packed, scales_zeros, self.group_size)
         y = y[:, : self.out_features].to(x.dtype)
         if bias is not None:
             y = y + bias
@@ -228,40 +225,49 @@ def split_float32(rows: torch.Tensor) -> torch.Tensor:
     return torch.cat([high, rows - high]).to(torch.bfloat16)
 
 
-def int4_matmul(
-    rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int,
-    dequant_ok: bool,
-) -> torch.Tensor:  # fmt: skip
-    """bf16 [R, K] times one packed plane -> bf16 [R, N padded]. The kernel itself where each
-    row must not depend on the batch (float32 models) or on CUDA (tinygemm, capturable): an
-    aten op, which Inductor calls from its generated code. Else the op `kiln::int4_mm`, which
-    picks the kernel or dequantize + matmul by the row count at run time."""
-    if rows.device.type != "cpu":
-        return torch.ops.aten._weight_int4pack_mm(rows, packed, group_size, scales_zeros)
-    if dequant_ok:
-        return torch.ops.kiln.int4_mm(rows, packed, scales_zeros, group_size)
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+def _tinygemm(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
+    """CUDA: tinygemm on bf16 rows (float32 rows split in two), summed in float32; plain
+    tensor ops around aten's kernel, which Inductor calls and CUDA graphs capture."""
+    split = rows.dtype == torch.float32
+    high = split_float32(rows) if split else rows.to(torch.bfloat16)
+    y = functools.reduce(torch.add, (
+        torch.ops.aten._weight_int4pack_mm(high, p, group_size, sz).float()
+        for p, sz in zip(packed, scales_zeros)
+    ))  # fmt: skip
+    return y[: rows.shape[0]] + y[rows.shape[0] :] if split else y
 
 
 def _int4_mm(
     rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
-    """bf16 rows on the CPU: up to DEQUANT_MIN_ROWS the kernel, from there the weight
-    dequantized to bf16 and one dense matmul (faster for prefill chunks, measured)."""
+    """CPU, [R, K] rows times one packed plane -> [R, N padded] in float32 (float32 rows) or
+    bf16. float32 rows go through the kernel split in two (each row computed alone, so the
+    result does not depend on the batch); bf16 rows through the kernel up to DEQUANT_MIN_ROWS,
+    from there the weight dequantized to bf16 and one dense matmul (faster, measured)."""
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    if rows.dtype == torch.float32:
+        y = mm(split_float32(rows), packed, group_size, scales_zeros).float()
+        return y[: rows.shape[0]].add_(y[rows.shape[0] :])
+    rows = rows.to(torch.bfloat16)
     if rows.shape[0] < DEQUANT_MIN_ROWS:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(rows, packed, group_size, scales_zeros)
+        return mm(rows, packed, group_size, scales_zeros)
     return rows @ cpu_dequantize_t(packed, scales_zeros, group_size)
 
 
 # Opaque in compiled graphs (the row count is dynamic there, so the choice is made at run
-# time): Inductor's generated code calls it through the dispatcher, about 3 us a call.
+# time): Inductor's generated code calls it through the dispatcher, about 3 us a call. With
+# the split and the sums as tensor ops in the graph instead, mode 3 decode of the embedded
+# model took 65 ms a step against 13 eager: the time sat in the attention op's own (Python)
+# time, not in any kernel; left for the decode-step work (docs/performance.md).
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
 _LIB.impl("int4_mm", _int4_mm, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "kiln::int4_mm",
     lambda rows, packed, scales_zeros, group_size: rows.new_empty(
-        rows.shape[0], scales_zeros.shape[1]
+        rows.shape[0],
+        scales_zeros.shape[1],
+        dtype=torch.float32 if rows.dtype == torch.float32 else torch.bfloat16,
     ),
     lib=_LIB,
 )
