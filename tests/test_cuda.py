@@ -220,6 +220,8 @@ def test_packed_matmul_on_cuda_matches_dequantized_and_replays_in_a_graph(kind):
     ref_w, planes = _gguf_tensor(kind, 200, 512)  # 200 rows: padded to tinygemm's 8
     packed = PackedInt4(planes, torch.device("cuda"))
     w = torch.from_numpy(ref_w).cuda()
+    torch.testing.assert_close(packed.dequantize(), w, rtol=0,
+                               atol=2 * BF16_ULP * w.abs().max().item())  # fmt: skip
     for rows in (1, 7, 300):
         x = torch.randn(rows, 512, device="cuda")
         ref = x.bfloat16().float() @ w.t()

@@ -135,14 +135,20 @@ class PackedInt4(nn.Module):
         return functools.reduce(torch.add, out).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """float32 [N, K] of the packed planes, as the kernels see them (bf16 scales)."""
+        """float32 [N, K] of the packed planes, as the kernels see them (bf16 scales; on CUDA
+        read back through tinygemm itself, one identity row per column, so rounded to bf16)."""
         packed, scales_zeros = self.planes()
-        if packed[0].device.type != "cpu":
-            raise NotImplementedError("dequantizing a tinygemm-packed weight")
-        out = [
-            cpu_dequantize_t(p, sz, self.group_size, torch.float32)
-            for p, sz in zip(packed, scales_zeros)
-        ]
+        if packed[0].device.type == "cpu":
+            out = [
+                cpu_dequantize_t(p, sz, self.group_size, torch.float32)
+                for p, sz in zip(packed, scales_zeros)
+            ]
+        else:
+            eye = torch.eye(self.in_features, dtype=torch.bfloat16, device=packed[0].device)
+            out = [
+                torch.ops.aten._weight_int4pack_mm(eye, p, self.group_size, sz).float()
+                for p, sz in zip(packed, scales_zeros)
+            ]
         w = functools.reduce(torch.add, out)
         return w.t()[: self.out_features]
 
