@@ -67,6 +67,14 @@ def test_info_prints_architecture_and_config():
     assert rows["compile cache"].strip() == "none (mode 0 compiles nothing)"
     assert rows["torch.compile"].strip() == "none (mode 0 compiles nothing)"
     assert rows["CUDA graphs"].strip() == "none captured"
+    # the embedded file's weights as they sit in memory: Q4_1 linears and the Q8_0 embedding
+    # packed, and the total near the 98 MB file (540 MB dequantized to float32)
+    weights = [line for line in res.stdout.splitlines() if line.startswith("weights ")]
+    assert any("Q4_1 -> int4 packed" in line for line in weights), weights
+    assert any("Q8_0 -> int4 packed" in line and "two planes" in line for line in weights)
+    assert rows["quantization"].strip() == "auto"
+    resident = float(rows["resident weights"].split()[0])
+    assert 90 < resident < 110, resident
 
 
 def test_info_plan_only_boots_nothing(tmp_path):

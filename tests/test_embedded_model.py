@@ -49,7 +49,8 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 def test_packed_logits_match_hf_within_bf16_precision(smollm_llm, hf_smollm, chat_ids):
     """The packed linears (bf16 kernel outputs, 30 layers deep) against HF's float32 on the
     same Q4_1 values: the first answer token's logits within 3% of their largest magnitude
-    (measured: 0.9-1.5%), and the same pick."""
+    (measured: 0.9-1.5%), and the same pick unless HF's two best logits tie within that
+    (the kernel's rounding differs between CPUs: one did not pick as HF on a 0.8% gap)."""
     from tests.helpers import run_schedule
 
     params = SamplingParams(temperature=0, max_tokens=1)
@@ -59,8 +60,11 @@ def test_packed_logits_match_hf_within_bf16_precision(smollm_llm, hf_smollm, cha
         with torch.no_grad():
             ref = hf_smollm(torch.tensor([ids])).logits[0, -1]
         ours = logits[str(i)][0].float()
-        torch.testing.assert_close(ours, ref, rtol=0, atol=0.03 * ref.abs().max().item())
-        assert int(ours.argmax()) == int(ref.argmax())
+        bound = 0.03 * ref.abs().max().item()
+        torch.testing.assert_close(ours, ref, rtol=0, atol=bound)
+        if int(ours.argmax()) != int(ref.argmax()):  # only where HF's two best tie within it
+            top2 = ref.topk(2).values
+            assert top2[0] - top2[1] <= 2 * bound, (i, top2)
 
 
 def test_greedy_tokens_match_hf(smollm_dense_llm, hf_smollm, chat_ids):

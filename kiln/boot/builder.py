@@ -15,6 +15,7 @@ from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.preview import (
     for_device,
+    keyed_model,
     resolve_max_model_len,
     resolve_plan,
     select_attention,
@@ -121,12 +122,6 @@ def load_model(
     if warning:
         logger.warning(warning)
     return model.eval()
-
-
-def keyed_model(source: ModelSource, config: EngineConfig) -> dict:
-    """The model's part of the compile cache key: its config, and whether its weights may be
-    packed (packed linears are other ops in the graph)."""
-    return {**source.config.to_dict(), "quantization": config.quantization}
 
 
 def open_compile_cache(

@@ -134,3 +134,9 @@ def preview_engine(config: EngineConfig) -> EnginePreview:
     max_model_len = resolve_max_model_len(config, source.config)
     plan = resolve_plan(config, backend, device, None, source.config)
     return EnginePreview(config, device, source, backend, max_model_len, plan)
+
+
+def keyed_model(source: ModelSource, config: EngineConfig) -> dict:
+    """The model's part of the compile cache key: its config, and whether its weights may be
+    packed (packed linears are other ops in the graph)."""
+    return {**source.config.to_dict(), "quantization": config.quantization}

@@ -7,8 +7,8 @@ import argparse
 
 import torch
 
-from kiln.boot.builder import build_engine, keyed_model
-from kiln.boot.preview import EnginePreview, preview_engine
+from kiln.boot.builder import build_engine
+from kiln.boot.preview import EnginePreview, keyed_model, preview_engine
 from kiln.cli.engine_args import engine_kwargs
 from kiln.compile_cache.entry import CompileCacheEntry, entry_for_plan, is_sealed
 from kiln.config.engine import EngineConfig
@@ -102,7 +102,7 @@ def _boot_rows(engine: LLMEngine) -> list[tuple[str, str]]:
     compiled = engine.runner.compile_stats()
     summary = getattr(engine.runner.model, "weight_summary", [])
     return [
-        *[(f"weights: {fmt}", f"{n} tensors, {b / 2**20:.1f} MiB") for fmt, n, b in summary],
+        *[("weights", f"{fmt}: {n} tensors, {b / 2**20:.1f} MiB") for fmt, n, b in summary],
         ("resident weights", f"{sum(b for _, _, b in summary) / 2**20:.1f} MiB"),
         ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
         ("boot", _boot(engine.boot)),
