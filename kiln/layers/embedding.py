@@ -18,7 +18,6 @@ class VocabEmbedding(nn.Module):
         self.register_buffer("out_dtype", torch.empty(0), persistent=False)
         self.packed_head: torch.Tensor | None = None
         self.packed: PackedInt4 | None = None  # a 4-bit table: lookup and head read it
-        self.quantized: QuantizedTensor | None = None  # until finalize
         self.fallback_reason: str | None = None
 
     @property
@@ -32,8 +31,7 @@ class VocabEmbedding(nn.Module):
                 f"expected {tuple(self.weight.shape)}"
             )
         if isinstance(weight, QuantizedTensor):
-            self.quantized = weight
-            self._pack(self.weight.device)  # now: the load never holds all codes at once
+            self._pack(weight, self.weight.device)  # now: the load never holds all codes
         else:
             self.weight.data.copy_(weight)
 
@@ -47,17 +45,16 @@ class VocabEmbedding(nn.Module):
         if device.type == "cpu" and used_as_lm_head and self.packed_head is None:
             self.packed_head = prepack_for_cpu(self.weight)
 
-    def _pack(self, device: torch.device) -> None:
-        reason = unpackable_reason(self.quantized, device)
+    def _pack(self, table: QuantizedTensor, device: torch.device) -> None:
+        reason = unpackable_reason(table, device)
         if device.type != "cpu":
             reason = reason or "tinygemm's layout has no row lookup"
         if reason is None:
-            self.packed = PackedInt4(self.quantized, device)
+            self.packed = PackedInt4(table, device)
             self.weight = None  # type: ignore[assignment]
         else:
             self.fallback_reason = reason
-            self.weight.data.copy_(self.quantized.dequantize())
-        self.quantized = None
+            self.weight.data.copy_(table.dequantize())
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:

@@ -26,14 +26,14 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.layout = "dense"  # or "onednn" (prepacked), "transposed" or "int4" (packed)
         self.packed: PackedInt4 | None = None
-        self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until finalize
+        self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until packed
         self.fallback_reason: str | None = None  # why quantized parts were dequantized
 
     def load_weight(
         self, name: str, weight: torch.Tensor | QuantizedTensor, rows: slice | None = None
     ) -> None:
         """Copy `weight` into rows `rows` of this layer (fused layers load their parts by rows);
-        a quantized part is kept as it is until `finalize`."""
+        quantized parts are kept until they cover the layer, then packed."""
         target = self.weight if rows is None else self.weight[rows]
         if tuple(weight.shape) != tuple(target.shape):
             raise ModelLoadError(
@@ -72,7 +72,7 @@ class Linear(nn.Module):
             self.weight = nn.Parameter(self.weight.t().contiguous(), requires_grad=False)
             self.layout = "transposed"
 
-    def _pack(self, device: torch.device) -> bool:
+    def _pack(self, device: torch.device) -> None:
         """Pack the quantized parts if they cover the layer in one format a kernel runs;
         otherwise dequantize them into the dense weight (the reason is kept for the report)."""
         starts = sorted(self.quantized_parts)
@@ -87,10 +87,9 @@ class Linear(nn.Module):
             self.packed = PackedInt4(whole, device)
             self.weight = None  # type: ignore[assignment]
             self.layout = "int4"
-            return True
+            return
         for start, part in zip(starts, parts):
             self.weight.data[start : start + part.shape[0]] = part.dequantize()
-        return False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "int4":
