@@ -8,8 +8,12 @@ around the runner (scheduler, block manager, detokenizer, output).
 
     python benchmarks/decode_step.py                       # the default configurations
     python benchmarks/decode_step.py --configs auto:float32:3 none:bfloat16:3 --tokens 128
+    python benchmarks/decode_step.py --configs auto:bfloat16:3:torch auto:bfloat16:3:cpu \
+        --context 7000                              # at 7k tokens of context, per attention backend
 
-A configuration is QUANTIZATION:DTYPE:MODE. Numbers are milliseconds per decode step."""
+A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND]. Numbers are milliseconds per
+decode step; the profiled rows count each op's own time under the nearest linear or attention
+op that called it (an attention op's flash kernel and copies are attention)."""
 
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ LINEAR_OPS = (
     "aten::mm",
     "aten::matmul",
 )
-ATTENTION_OPS = ("kiln::torch_paged_attention",)
+ATTENTION_OPS = ("kiln::cpu_paged_attention", "kiln::torch_paged_attention")
 
 
 class Timers:
@@ -57,10 +61,12 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def measure(spec: str, tokens: int, threads: int) -> dict[str, float]:
-    quantization, dtype, mode = spec.split(":")
+def measure(spec: str, tokens: int, threads: int, context: int) -> dict[str, float]:
+    quantization, dtype, mode, *backend = spec.split(":")
     torch.set_num_threads(threads)
-    llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)})
+    llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)},
+              attention_backend=backend[0] if backend else "auto")  # fmt: skip
+    prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen
     engine, timers = llm.engine, Timers()
@@ -69,10 +75,10 @@ def measure(spec: str, tokens: int, threads: int) -> dict[str, float]:
     timers.wrap(runner, "_run", "forward")
     timers.wrap(runner.model, "compute_logits", "LM head")
     timers.wrap(engine.runner, "execute", "runner")
-    steps, t0 = _decode(llm, PROMPT, params, timers)
+    steps, t0 = _decode(llm, prompt, params, timers)
     wall = time.perf_counter() - t0
     row = {k: v * 1e3 / steps for k, v in timers.total.items()}
-    ops = _forward_ops(llm, params)
+    ops = _forward_ops(llm, prompt, params)
     runner_ms = row.pop("runner")
     row["sample"] = runner_ms - row["prepare inputs"] - row["forward"] - row["LM head"]
     row["engine (scheduler, output)"] = wall * 1e3 / steps - runner_ms
@@ -81,11 +87,25 @@ def measure(spec: str, tokens: int, threads: int) -> dict[str, float]:
     return row
 
 
+def _prompt(llm: LLM, num_tokens: int) -> str:
+    """About `num_tokens` tokens of the benchmark's prose corpus."""
+    from kiln.bench.prompts import SUITES, read_corpus
+
+    ids = llm.tokenizer.encode(read_corpus(SUITES["regular"]))[:num_tokens]
+    return llm.tokenizer.decode(ids)
+
+
+def _prefill(engine, request_id: str, ids: list[int], params: SamplingParams) -> None:
+    """Steps until the request's prompt is in the cache (chunked prefill: several steps)."""
+    engine.add_request(request_id, ids, params)
+    while engine.requests[request_id].seqs[0].num_output_tokens == 0:
+        engine.step()
+
+
 def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers):
-    """Decode steps only: the prefill step runs first, outside the timers' totals."""
+    """Decode steps only: the prefill steps run first, outside the timers' totals."""
     engine = llm.engine
-    engine.add_request("timed", llm.tokenizer.encode(prompt), params)
-    engine.step()  # the prefill
+    _prefill(engine, "timed", llm.tokenizer.encode(prompt), params)
     timers.total.clear()
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
@@ -94,23 +114,30 @@ def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers):
     return steps, t0
 
 
-def _forward_ops(llm: LLM, params: SamplingParams) -> dict[str, float]:
+def _group(event) -> str:
+    """The nearest linear or attention op at or above a profiled op."""
+    while event is not None:
+        if event.name.startswith(LINEAR_OPS):
+            return "linears"
+        if event.name.startswith(ATTENTION_OPS):
+            return "attention"
+        event = event.cpu_parent
+    return "other ops"
+
+
+def _forward_ops(llm: LLM, prompt: str, params: SamplingParams) -> dict[str, float]:
     """ms per decode step in the forward's linears, attention and the rest (torch profiler:
-    self CPU time of the ops, so a parent op's children are not counted twice)."""
+    self CPU time of each op, attributed to the linear or attention op that called it)."""
     engine = llm.engine
-    engine.add_request("profiled", llm.tokenizer.encode(PROMPT), params)
-    engine.step()
+    _prefill(engine, "profiled", llm.tokenizer.encode(prompt), params)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         steps = 0
         while engine.has_unfinished_requests() and steps < 32:
             engine.step()
             steps += 1
     out = defaultdict(float)
-    for event in prof.key_averages():
-        name = event.key
-        group = ("linears" if name.startswith(LINEAR_OPS)
-                 else "attention" if name.startswith(ATTENTION_OPS) else "other ops")  # fmt: skip
-        out[group] += event.self_cpu_time_total / 1e3 / steps
+    for event in prof.events():
+        out[_group(event)] += event.self_cpu_time_total / 1e3 / steps
     for request_id in list(engine.requests):
         engine.abort_request(request_id)
     return dict(out)
@@ -125,8 +152,9 @@ def main() -> None:
     )
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--context", type=int, default=0, help="prompt tokens (default: short)")
     args = parser.parse_args()
-    rows = {spec: measure(spec, args.tokens, args.threads) for spec in args.configs}
+    rows = {spec: measure(spec, args.tokens, args.threads, args.context) for spec in args.configs}
     names = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"\n{'ms per decode step':34}" + "".join(f"{s:>17}" for s in rows))
     for name in names:

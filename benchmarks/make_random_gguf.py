@@ -3,11 +3,17 @@ file of that size is on the machine: kiln and llama.cpp both load it.
 
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_0 --out /tmp/l1b-q4_0.gguf
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K --out /tmp/l1b-q4_k.gguf
+    python benchmarks/make_random_gguf.py --shape qwen3-0.6b --type Q4_0 --out /tmp/q3.gguf \
+        --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
 a standard deviation near 0.02 and the activations stay finite; norms are ones. The tokenizer is
 the embedded SmolLM2 file's (its metadata copied), its vocabulary padded with unused tokens to
-the model's size. The answers are noise: a profile for this file has no probes."""
+the model's size. The answers are noise: a profile for this file has no probes.
+
+`qwen3-0.6b` is Qwen3-0.6B's architecture and shapes (q/k norms, tied embedding, 40,960
+positions): the long-context model of the benchmarks. `--hf-dir` also writes the same weights,
+dequantized by transformers' GGUF reader, as an HF directory in bf16 (with the tokenizer)."""
 
 from __future__ import annotations
 
@@ -22,6 +28,9 @@ from kiln.loader.gguf_file import GGUFFile
 SHAPES = {
     "llama-3.2-1b": dict(layers=16, hidden=2048, intermediate=8192, heads=32, kv_heads=8,
                          head_dim=64, vocab=128256, theta=500000.0, context=8192),
+    "qwen3-0.6b": dict(arch="qwen3", layers=28, hidden=1024, intermediate=3072, heads=16,
+                       kv_heads=8, head_dim=128, vocab=151936, theta=1000000.0, context=40960,
+                       qk_norm=True, eps=1e-6),
     "qwen3-0.6b-shapes-llama": dict(layers=28, hidden=1024, intermediate=3072, heads=16,
                                     kv_heads=8, head_dim=128, vocab=151936, theta=1000000.0,
                                     context=32768),
@@ -71,7 +80,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
     make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
-    w = gguf.GGUFWriter(out, "llama")
+    w = gguf.GGUFWriter(out, s.get("arch", "llama"))
     w.add_name(f"random {shape} {kind}")
     w.add_block_count(s["layers"])
     w.add_context_length(s["context"])
@@ -82,7 +91,7 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     w.add_key_length(s["head_dim"])
     w.add_value_length(s["head_dim"])
     w.add_rope_freq_base(s["theta"])
-    w.add_layer_norm_rms_eps(1e-5)
+    w.add_layer_norm_rms_eps(s.get("eps", 1e-5))
     w.add_vocab_size(s["vocab"])
     _copy_tokenizer(w, s["vocab"])
     hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
@@ -101,10 +110,36 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
             matrix(f"blk.{i}.{name}.weight", n, k)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
+        for norm in ("attn_q_norm", "attn_k_norm") if s.get("qk_norm") else ():
+            w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(s["head_dim"], dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def write_hf_directory(gguf_path: str, out_dir: str) -> None:
+    """The GGUF's weights and tokenizer as an HF directory (bf16 safetensors), read back by
+    transformers' own GGUF loader: kiln's HF path then serves the same model."""
+    import os
+
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = os.path.split(os.path.abspath(gguf_path))
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.bfloat16)
+    # save_pretrained refuses a model read from a GGUF (it counts as quantized): the weights
+    # are plain bf16 tensors by now, so they are written directly, the config without the flag
+    weights = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if model.config.tie_word_embeddings:
+        weights.pop("lm_head.weight", None)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.config.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(folder, gguf_file=name).save_pretrained(out_dir)
 
 
 def main() -> None:
@@ -112,9 +147,13 @@ def main() -> None:
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
     parser.add_argument("--type", choices=["Q4_0", "Q4_K"], default="Q4_0")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--hf-dir", help="also write the weights as an HF directory here")
     args = parser.parse_args()
     write(args.shape, args.type, args.out)
     print(f"wrote {args.out}")
+    if args.hf_dir:
+        write_hf_directory(args.out, args.hf_dir)
+        print(f"wrote {args.hf_dir}")
 
 
 if __name__ == "__main__":

@@ -75,6 +75,16 @@ def test_serve_flags_override_the_profile():
     assert plain.port == 8000 and plain.max_num_seqs is None
 
 
+def test_the_long_context_profiles_pair_kiln_and_llama_cpp_without_probes():
+    """Random weights answer nothing: no probes on either side, and both hold a 40,960-token
+    context (the model's), resolved through `kiln serve`'s own parser."""
+    kiln_side, llama = load_profile("long-context"), load_profile("llama-cpp-long")
+    assert kiln_side.probes == () and llama.probes == () and llama.engine == "external"
+    args = resolve_serve_args(build_parser().parse_args(["serve", "--profile", "long-context"]))
+    assert args.max_model_len == 40960 and args.dtype == "bfloat16"
+    assert llama.command[llama.command.index("--n_ctx") + 1] == "40960"
+
+
 def test_answer_matching():
     assert answer_passes("The capital of France is Paris.", "paris")
     assert not answer_passes("It is Lyon.", "Paris")

@@ -73,3 +73,16 @@ def test_shared_blocks_are_reference_counted():
     assert bm.blocks[hits[0]].ref_count == 1
     bm.release(b)
     assert bm.num_free_blocks == 8
+
+
+def test_a_growing_sequence_takes_the_block_after_its_last_when_free():
+    """Consecutive blocks (read in place, in one run, by the CPU attention backend) unless the
+    next one caches a prefix, which taking it would evict."""
+    for caching, grown in ((False, [0, 1]), (True, [0, 3])):
+        bm = BlockManager(8, 4, caching)
+        a, b, c = _seq(range(4)), _seq(range(100, 104)), _seq(range(200, 204))
+        for seq in (a, b, c):
+            _run(bm, seq)  # blocks 0, 1, 2
+        bm.release(b)  # block 1 is free, behind 3 to 7 in the eviction order
+        bm.append(a, 4)
+        assert a.block_table == grown

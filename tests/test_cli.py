@@ -60,9 +60,10 @@ def test_a_cache_dir_kiln_cannot_write_is_one_clear_line(tmp_path):
 def test_info_prints_architecture_and_config():
     res = _kiln("info", "--kv-cache-memory", "512MiB")
     assert res.returncode == 0, res.stderr
-    for word in ("LlamaForCausalLM", "layers", "30", "max_model_len", "KV cache", "torch_paged"):
+    for word in ("LlamaForCausalLM", "layers", "30", "max_model_len", "KV cache"):
         assert word in res.stdout
     rows = dict(line.split("  ", 1) for line in res.stdout.splitlines() if "  " in line)
+    assert rows["attention backend"].strip() == "cpu (CUDA graphs: never)"
     assert "load model" in rows["boot"] and "warm up" in rows["boot"]
     assert rows["compile cache"].strip() == "none (mode 0 compiles nothing)"
     assert rows["torch.compile"].strip() == "none (mode 0 compiles nothing)"

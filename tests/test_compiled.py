@@ -28,7 +28,7 @@ from tests.helpers import forward_with_int32_positions, make_engine, run_schedul
 
 # split at attention explicitly: with no piecewise graphs to replay (the CPU) the default is
 # one unsplit graph, and these tests are about the split backend
-SPLIT = ("kiln::torch_paged_attention",)
+SPLIT = ("kiln::cpu_paged_attention",)  # the CPU's attention backend
 COMPILED = CompilationConfig(mode=3, splitting_ops=SPLIT, debug_contiguity=True)
 
 
@@ -159,8 +159,8 @@ def test_the_dump_shows_every_piece_and_its_code(engines):
     assert out.name == "compilation_0"
     layers = compiled.model_config.num_layers
     split_graph = (out / "split_graph.py").read_text()
-    assert split_graph.count("= torch.ops.kiln.torch_paged_attention(") == layers
-    assert "torch_paged_attention" in (out / "dynamo_graph.py").read_text()
+    assert split_graph.count("= torch.ops.kiln.cpu_paged_attention(") == layers
+    assert "cpu_paged_attention" in (out / "dynamo_graph.py").read_text()
     index = (out / "pieces.txt").read_text().splitlines()[1:]
     eager_rows = [row for row in index if row.split()[1:4] == ["splitting", "op", "eager"]]
     compiled_rows = [row for row in index if row.split()[1:3] == ["piece", "inductor"]]

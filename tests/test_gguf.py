@@ -37,7 +37,6 @@ def test_tensors_round_trip(tiny_models, tmp_path, kind, tol):
 
 def test_gguf_model_logits_match_hf(tiny_models, tmp_path):
     """The whole path (metadata, names, permutation) through kiln's model, F32 weights."""
-    from kiln.attention import TorchPagedAttentionBackend
     from kiln.models import build_model
     from kiln.models.weights import load_weights
     from tests.helpers import make_engine
@@ -47,7 +46,7 @@ def test_gguf_model_logits_match_hf(tiny_models, tmp_path):
     write_gguf(path, hf, lambda name: T.F32)
     engine = make_engine(tiny_models["llama"])  # the runner drives a GGUF-loaded model below
     src = GGUFSource(str(path))
-    model = build_model(src.config, TorchPagedAttentionBackend())
+    model = build_model(src.config, engine.runner.attn_backend)
     load_weights(model, src.tensors(torch.float32))
     model.finalize(torch.device("cpu"))
     engine.runner.model, engine.runner.forward = model, model.forward  # mode 0: eager

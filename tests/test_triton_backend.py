@@ -234,7 +234,10 @@ def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
 
 def test_backend_selection_errors():
     cpu, shape = torch.device("cpu"), AttentionShape(4, 2, 16)
-    assert select_backend("auto", cpu, 16, shape).name == "torch_paged"
+    assert select_backend("auto", cpu, 16, shape).name == "cpu"
+    assert select_backend("torch", cpu, 16, shape).name == "torch_paged"
+    with pytest.raises(ConfigError, match=r"runs on the CPU only.*--attention-backend auto"):
+        select_backend("cpu", torch.device("cuda"), 16, shape)
     assert select_backend("triton", cpu, 16, shape).graph_support.value == "always"
     with pytest.raises(ConfigError, match="power-of-two --block-size"):
         select_backend("triton", cpu, 12, shape)
@@ -243,7 +246,7 @@ def test_backend_selection_errors():
     # compiled on a GPU (the GPU machine's triton 3.6 too), interpreted on the CPU from 3.9 on
     check_triton_runs(torch.device("cuda"), False, "3.6.0")
     check_triton_runs(cpu, True, "3.9.0")
-    with pytest.raises(ConfigError, match=r"needs a CUDA device.*--attention-backend torch"):
+    with pytest.raises(ConfigError, match=r"needs a CUDA device.*--attention-backend cpu"):
         check_triton_runs(cpu, False, "3.9.0")
     with pytest.raises(ConfigError, match=r"from triton 3\.9 on.*this is triton 3\.6\.0"):
         check_triton_runs(cpu, True, "3.6.0")

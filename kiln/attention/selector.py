@@ -1,6 +1,7 @@
 """Which attention backend an engine uses: `auto` picks the Triton backend on CUDA (it can be
-captured in FULL CUDA graphs) and the pure-PyTorch one elsewhere; a choice that cannot run
-here is an error that names the remedy."""
+captured in FULL CUDA graphs) and the CPU one (reads the paged cache in place) on the CPU; the
+pure-PyTorch backend, `torch`, runs on both and is the reference. A choice that cannot run here
+is an error that names the remedy."""
 
 from __future__ import annotations
 
@@ -10,14 +11,19 @@ import logging
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionShape
+from kiln.attention.cpu_backend import CpuPagedAttentionBackend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "cpu", "torch", "triton")
 # every attention backend's splitting op (the Triton one registers only when triton imports)
-ATTENTION_OPS = ("kiln::torch_paged_attention", "kiln::triton_paged_attention")
+ATTENTION_OPS = (
+    "kiln::cpu_paged_attention",
+    "kiln::torch_paged_attention",
+    "kiln::triton_paged_attention",
+)
 
 
 def triton_available() -> bool:
@@ -34,7 +40,8 @@ def select_backend(
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
-        name = "triton" if device.type == "cuda" and triton_available() else "torch"
+        name = "cpu" if device.type == "cpu" else "torch"
+        name = "triton" if device.type == "cuda" and triton_available() else name
         if device.type == "cuda" and name == "torch":
             logger.warning(
                 "triton is not installed: using the pure-PyTorch attention backend, which CUDA "
@@ -42,6 +49,13 @@ def select_backend(
             )
     if name == "torch":
         return TorchPagedAttentionBackend(dtype)
+    if name == "cpu":
+        if device.type != "cpu":
+            raise ConfigError(
+                f"attention backend 'cpu' runs on the CPU only (its kernel is the CPU's flash "
+                f"attention), not on {device.type}. Remedy: --attention-backend auto"
+            )
+        return CpuPagedAttentionBackend(dtype, shape.num_kv_heads)
     return _triton_backend(block_size, shape, device)
 
 
@@ -69,7 +83,7 @@ def check_triton_runs(device: torch.device, interpreted: bool, version: str) -> 
         raise ConfigError(
             "attention backend 'triton' needs a CUDA device: on the CPU its kernel runs only in "
             "Triton's interpreter (TRITON_INTERPRET=1 set before kiln starts; slow, for "
-            "tests). Remedy: --attention-backend torch, the CPU default"
+            "tests). Remedy: --attention-backend cpu, the CPU default"
         )
     major_minor = tuple(int(part) for part in version.split(".")[:2])
     if interpreted and major_minor < (3, 9):

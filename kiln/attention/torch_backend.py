@@ -41,9 +41,10 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.view(-1)).view(*slots.shape, *flat.shape[1:])
 
 
-def _decode(q, k_flat, v_flat, slots, bias, scale):
-    """The G query heads sharing a KV head ride as G query rows of one SDPA call: no KV
-    expansion, and SDPA reads the gathered cache through strides (4x faster at 16 rows).
+def gathered_decode(q, k_flat, v_flat, slots, bias, scale):
+    """Decode rows over their keys gathered from the cache (`decode_gather_tensors`). The G
+    query heads sharing a KV head ride as G query rows of one SDPA call: no KV expansion, and
+    SDPA reads the gathered cache through strides (4x faster at 16 rows).
     slots and bias are the per-step tensors, flat [n * L] so their layout never varies; bias
     is in the model's dtype."""
     n, h, d = q.shape
@@ -110,11 +111,11 @@ def torch_paged_attention(
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     if n_dec == q.shape[0]:
-        out.copy_(_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
+        out.copy_(gathered_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
         return
     out[n_tokens:] = 0
     if n_dec:
-        out[:n_dec] = _decode(q[:n_dec], k_flat, v_flat, decode_slots, decode_bias, scale)
+        out[:n_dec] = gathered_decode(q[:n_dec], k_flat, v_flat, decode_slots, decode_bias, scale)
     lens = seq_lens.tolist()
     for i in range(n_dec, len(q_lens)):
         a, b = starts[i], starts[i + 1]
@@ -164,6 +165,23 @@ class TorchPagedMetadata(AttentionMetadata):
     }
 
 
+def decode_gather_tensors(
+    block_tables: torch.Tensor, lens: torch.Tensor, block_size: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV slots and padding bias of decode rows with these block tables and KV lengths,
+    flat [n * max_len]; the bias in the model's dtype, not converted to it in every layer."""
+    n = lens.shape[0]
+    width = int(lens.max()) if n else 0
+    slots = _slots(block_tables, width, block_size)
+    beyond = torch.arange(width, device=lens.device)[None, :] >= lens[:, None]
+    bias = torch.zeros(n, width, dtype=dtype, device=lens.device)
+    bias.masked_fill_(beyond, float("-inf"))
+    # Positions past a sequence's end read its own first slot instead: never-written cache
+    # memory may hold NaN, and NaN * 0 would leak through the softmax.
+    slots = torch.where(beyond, slots[:, :1], slots)
+    return slots.reshape(-1), bias.reshape(-1)
+
+
 class TorchPagedMetadataBuilder(MetadataBuilder):
     """The decode rows' KV slots and padding mask, computed once per step rather than in every
     layer; the bias in the model's dtype, not converted to it in every layer."""
@@ -173,23 +191,16 @@ class TorchPagedMetadataBuilder(MetadataBuilder):
 
     def build(self, layout: BatchLayout) -> TorchPagedMetadata:
         n = layout.num_decodes
-        lens = layout.seq_lens[:n]
-        width = int(lens.max()) if n else 0
-        slots = _slots(layout.block_tables[:n], width, layout.block_size)
-        pos = torch.arange(width, device=lens.device)
-        beyond = pos[None, :] >= lens[:, None]
-        bias = torch.zeros(n, width, dtype=self.dtype, device=lens.device)
-        bias.masked_fill_(beyond, float("-inf"))
-        # Positions past a sequence's end read its own first slot instead: never-written cache
-        # memory may hold NaN, and NaN * 0 would leak through the softmax.
-        slots = torch.where(beyond, slots[:, :1], slots)
+        slots, bias = decode_gather_tensors(
+            layout.block_tables[:n], layout.seq_lens[:n], layout.block_size, self.dtype
+        )
         return TorchPagedMetadata(
             slot_mapping=layout.slot_mapping,
             query_start_loc=layout.query_start_loc,
             seq_lens=layout.seq_lens,
             block_tables=layout.block_tables,
-            decode_slots=slots.reshape(-1),
-            decode_bias=bias.reshape(-1),
+            decode_slots=slots,
+            decode_bias=bias,
         )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
+from kiln.boot.host_memory import keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.preview import (
@@ -53,6 +54,8 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     """`graph_backend`: how graphs are captured; by default CUDA graphs on a GPU and none
     elsewhere (tests pass the emulator to run the graph paths on the CPU)."""
     config, device = for_device(config)
+    if device.type == "cpu" and keep_freed_memory():
+        logger.info("CPU: freed memory is kept for reuse (glibc mmap threshold 1 GiB, no trim)")
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)

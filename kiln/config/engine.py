@@ -224,8 +224,9 @@ class EngineConfig:
         default="auto",
         metadata=option(
             str,
-            "auto (default): triton on CUDA (capturable in FULL graphs), torch elsewhere",
-            choices=("auto", "torch", "triton"),
+            "auto (default): triton on CUDA (capturable in FULL graphs), cpu on the CPU (reads "
+            "the paged cache in place); torch: the pure-PyTorch reference, on both",
+            choices=("auto", "cpu", "torch", "triton"),
         ),
     )
     boot_timeout: float | None = field(  # seconds per boot phase; None or 0: no limit

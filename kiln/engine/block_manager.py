@@ -131,10 +131,18 @@ class BlockManager:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
-            seq.block_table.append(self._take_free_block())
+            after = seq.block_table[-1] + 1 if seq.block_table else -1
+            seq.block_table.append(self._take_free_block(after))
 
-    def _take_free_block(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
+    def _take_free_block(self, preferred: int = -1) -> int:
+        """The least recently freed block, or `preferred` (the one after the sequence's last)
+        if it is free and caches nothing: taking it evicts nothing, and a sequence on
+        consecutive blocks is read in place by the CPU attention backend, in one run."""
+        if preferred in self.free and self.blocks[preferred].block_hash is None:
+            del self.free[preferred]
+            block_id = preferred
+        else:
+            block_id, _ = self.free.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
             del self.cached[block.block_hash]  # evict

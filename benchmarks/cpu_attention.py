@@ -1,0 +1,109 @@
+"""The CPU attention backends side by side, the op alone (one layer, cache write included): the
+pure-PyTorch reference `torch` (gathers every key into a fresh copy) and `cpu` (reads runs of the
+paged cache in place, merges them by log-sum-exp). Cases: decode batches at growing contexts,
+and a 512-token prefill chunk after a long context. Each request's blocks are consecutive
+(`--layout contiguous`, what the allocator hands a request on a fresh cache) or a random
+permutation (`--layout fragmented`, the worst case: every run one block long).
+
+    python benchmarks/cpu_attention.py                          # SmolLM2's heads, float32
+    python benchmarks/cpu_attention.py --shape qwen3-0.6b --dtype bfloat16
+    python benchmarks/cpu_attention.py --gather-max 2048        # try another tuning"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from kiln.attention.backend import AttentionBackend
+from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
+from kiln.attention.torch_backend import TorchPagedAttentionBackend
+from kiln.runner.input_buffers import BatchRow, InputBuffers
+
+SHAPES = {"smollm2": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # heads, KV heads, head dim
+DECODE_CASES = [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (16, 512), (16, 2048),
+                (16, 4096), (64, 512), (4, 16384)]  # fmt: skip
+PREFILL_CONTEXTS = [0, 4096, 16384]
+CHUNK = 512
+
+
+def _layout(rows_spec, block_size, layout_kind, gen):
+    """rows_spec: [(query length, keys cached before)], decodes first."""
+    need = [-(-(first + n) // block_size) for n, first in rows_spec]
+    total = sum(need) + 1
+    order = torch.randperm(total, generator=gen) if layout_kind == "fragmented" else None
+    ids = order.tolist() if order is not None else list(range(total))
+    rows, tables = [], []
+    for (n, first), blocks in zip(rows_spec, need):
+        tables.append(ids[:blocks])
+        ids = ids[blocks:]
+        rows.append(BatchRow([0] * n, first, tables[-1]))
+    tokens = sum(n for n, _ in rows_spec)
+    buffers = InputBuffers(tokens, len(rows), max(need), block_size, torch.device("cpu"))
+    num_decodes = sum(1 for n, _ in rows_spec if n == 1)
+    return buffers.fill(rows, num_decodes), total
+
+
+def _time(backend: AttentionBackend, layout, caches, q, k, v, repeats: int) -> float:
+    builder = backend.metadata_builder(q.shape[0], torch.device("cpu"))
+    out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
+    times = []
+    for i in range(repeats + 2):
+        t0 = time.perf_counter()
+        meta = builder.build(layout)  # once per step, not per layer: counted once per layer here
+        backend.forward(q, k, v, caches[0], caches[1], out, meta, q.shape[-1] ** -0.5)
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
+def _case(name, rows_spec, args, backends, gen):
+    heads, kv_heads, dim = SHAPES[args.shape]
+    dtype = getattr(torch, args.dtype)
+    layout, num_blocks = _layout(rows_spec, args.block_size, args.layout, gen)
+    caches = torch.randn(2, num_blocks, args.block_size, kv_heads, dim, generator=gen).to(dtype)
+    tokens = layout.num_tokens
+    q, k, v = (
+        torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)
+    )
+    repeats = max(3, min(30, int(2e6 // (num_blocks * args.block_size * len(rows_spec) + 1))))
+    ms = {name: _time(b, layout, caches, q, k, v, repeats) for name, b in backends.items()}
+    ratio = ms["torch"] / ms["cpu"]
+    print(f"| {name} | {ms['torch']:.3f} | {ms['cpu']:.3f} | {ratio:.2f}x |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--shape", choices=SHAPES, default="smollm2")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--layout", choices=("contiguous", "fragmented"), default="contiguous")
+    defaults = CpuAttentionTuning()
+    ap.add_argument("--gather-max", type=int, default=defaults.gather_max)
+    ap.add_argument("--min-run", type=int, default=defaults.min_run)
+    ap.add_argument("--part-tokens", type=int, default=defaults.part_tokens)
+    ap.add_argument("--max-parts", type=int, default=defaults.max_parts)
+    ap.add_argument("--only", choices=("decode", "prefill"), default=None)
+    args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
+    tuning = CpuAttentionTuning(args.gather_max, args.min_run, args.part_tokens, args.max_parts)
+    backends = {
+        "torch": TorchPagedAttentionBackend(dtype),
+        "cpu": CpuPagedAttentionBackend(dtype, SHAPES[args.shape][1], tuning),
+    }
+    gen = torch.Generator().manual_seed(0)
+    print(f"{args.shape} {args.dtype}, block size {args.block_size}, {args.layout} blocks, "
+          f"{torch.get_num_threads()} threads, {tuning}")  # fmt: skip
+    print("| case | torch ms | cpu ms | speedup |\n| --- | --- | --- | --- |")
+    if args.only != "prefill":
+        for rows, ctx in DECODE_CASES:
+            _case(f"decode {rows} x {ctx}", [(1, ctx - 1)] * rows, args, backends, gen)
+    if args.only != "decode":
+        for ctx in PREFILL_CONTEXTS:
+            _case(f"prefill {CHUNK} after {ctx}", [(CHUNK, ctx)], args, backends, gen)
+
+
+if __name__ == "__main__":
+    main()

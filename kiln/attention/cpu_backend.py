@@ -1,0 +1,326 @@
+"""Paged attention for the CPU that reads keys and values where they lie in the paged cache.
+
+Attention over a request's cached keys does not depend on their order, so the step's metadata
+sorts each request's blocks and cuts them into runs of consecutive block ids: every run is one
+contiguous range of cache slots, which the CPU's flash kernel reads through a strided view, no
+copy. Each run returns its output and log-sum-exp, and the runs of a request are merged by their
+log-sum-exp (online softmax). A long decode run is also cut into equal parts that ride as the
+kernel's batch (its threads split batch x heads, and a decode row has few KV heads): the split
+flash-decoding uses. A prefill chunk adds one causal call over its own keys, which it holds
+contiguously as inputs.
+
+Two cases still gather, where copying costs less than a call per piece: runs shorter than
+`min_run` tokens (a fragmented cache) are gathered into one piece per request, and decode rows
+whose context is at most `gather_max` tokens are batched into one SDPA call over gathered keys,
+as the pure-PyTorch backend does (many short rows: one call instead of one per row).
+
+It reads the batch on the host, so, like the pure-PyTorch backend, it declares
+GraphSupport.NEVER and runs as a splitting op between compiled pieces."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from kiln.attention.backend import (
+    AttentionBackend,
+    AttentionMetadata,
+    BatchLayout,
+    GraphSupport,
+    MetadataBuilder,
+)
+from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define(
+    "cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
+    "Tensor(c!) out, Tensor slot_mapping, Tensor query_start_loc, Tensor gathered_rows, "
+    "Tensor decode_slots, Tensor decode_bias, Tensor pieces, Tensor piece_slots, float scale) "
+    "-> ()"
+)
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+
+# pieces' kind column
+IN_PLACE, GATHERED, OWN_CAUSAL = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class CpuAttentionTuning:
+    """Where the backend gathers instead of reading in place, and how it splits long decode
+    runs; the defaults come from benchmarks/cpu_attention.py (docs/performance.md)."""
+
+    gather_max: int = 2048  # decode rows with at most this many keys: one batched gather call
+    gather_budget: int = 65536  # ... as long as rows x the longest of them stay under this
+    min_run: int = 256  # runs shorter than this many tokens are gathered
+    part_tokens: int = 2048  # a decode run is cut into parts of at least this many tokens
+    max_parts: int = 8
+
+
+def _stacked(q: torch.Tensor, hkv: int) -> torch.Tensor:
+    """[T, H, D] -> [1, Hkv, G * T, D]: the G query heads sharing a KV head become rows of one
+    head, so no key is expanded (a view for a decode row)."""
+    t, h, d = q.shape
+    return q.view(t, hkv, h // hkv, d).permute(1, 2, 0, 3).reshape(1, hkv, -1, d)
+
+
+def _unstacked(o: torch.Tensor, t: int) -> torch.Tensor:
+    """[Hkv, G * T, D] -> [T, H * D]."""
+    hkv, _, d = o.shape
+    return o.view(hkv, -1, t, d).permute(2, 0, 1, 3).reshape(t, -1)
+
+
+def _over_cache(qs, k_flat, v_flat, kind, start, length, parts, piece_slots, scale):
+    """One piece of cached keys: its output [S, Hkv, G * T, D] and log-sum-exp [S, Hkv, G * T]."""
+    if kind == IN_PLACE:
+        keys, values = k_flat[start : start + length], v_flat[start : start + length]
+    else:
+        slots = piece_slots[start : start + length]
+        keys, values = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+    hkv, d = keys.shape[1:]
+    keys = keys.view(parts, length // parts, hkv, d).transpose(1, 2)
+    values = values.view(parts, length // parts, hkv, d).transpose(1, 2)
+    queries = qs if parts == 1 else qs.expand(parts, *qs.shape[1:])
+    return _flash(queries, keys, values, scale=scale)
+
+
+def _own_causal(q, k, v, hkv, scale):
+    """A prefill chunk over its own keys, causal: in the stacked layout of `_stacked`."""
+    o, lse = _flash(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                    is_causal=True, scale=scale)  # fmt: skip
+    return o.reshape(1, hkv, -1, o.shape[-1]), lse.reshape(1, hkv, -1)
+
+
+def _merge(partials: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Outputs over disjoint key sets -> the output over their union, weighted by each one's
+    share of the softmax mass (in float32)."""
+    if len(partials) == 1 and partials[0][0].shape[0] == 1:
+        return partials[0][0][0]
+    outs = torch.cat([o for o, _ in partials])
+    weights = torch.softmax(torch.cat([lse for _, lse in partials]), 0).unsqueeze(-1)
+    return (outs * weights).sum(0).to(outs.dtype)
+
+
+def _attend_row(q, k, v, k_flat, v_flat, pieces, piece_slots, scale) -> torch.Tensor:
+    hkv = k_flat.shape[1]
+    qs = _stacked(q, hkv)
+    partials = [
+        _own_causal(q, k, v, hkv, scale)
+        if kind == OWN_CAUSAL
+        else _over_cache(qs, k_flat, v_flat, kind, start, length, parts, piece_slots, scale)
+        for _, kind, start, length, parts in pieces
+    ]
+    return _unstacked(_merge(partials), q.shape[0])
+
+
+def cpu_paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    out: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    gathered_rows: torch.Tensor,
+    decode_slots: torch.Tensor,
+    decode_bias: torch.Tensor,
+    pieces: torch.Tensor,
+    piece_slots: torch.Tensor,
+    scale: float,
+) -> None:
+    """Writes this step's keys and values into the caches and the attention output into `out`
+    [T, H * D] (rows past the batch's tokens, padding, become zeros)."""
+    hkv, d = k_cache.shape[2:]
+    k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
+    starts = query_start_loc.tolist()
+    n_tokens = starts[-1]
+    k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
+    k_flat.index_copy_(0, slot_mapping, k)
+    v_flat.index_copy_(0, slot_mapping, v)
+    n_gathered = gathered_rows.shape[0]
+    if n_gathered == q.shape[0]:  # only short decodes, no padding: the common small step
+        out.copy_(gathered_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
+        return
+    out[n_tokens:] = 0
+    if n_gathered:
+        rows = gathered_decode(q.index_select(0, gathered_rows), k_flat, v_flat, decode_slots,
+                               decode_bias, scale)  # fmt: skip
+        out.index_copy_(0, gathered_rows, rows)
+    for row, row_pieces in itertools.groupby(pieces.tolist(), key=lambda p: p[0]):
+        a, b = starts[row], starts[row + 1]
+        out[a:b] = _attend_row(q[a:b], k[a:b], v[a:b], k_flat, v_flat, list(row_pieces),
+                               piece_slots, scale)  # fmt: skip
+
+
+def _fake(q, k, v, k_cache, v_cache, out, slot_mapping, query_start_loc, gathered_rows,
+          decode_slots, decode_bias, pieces, piece_slots, scale) -> None:  # fmt: skip
+    return None
+
+
+_LIB.impl("cpu_paged_attention", cpu_paged_attention, "CompositeExplicitAutograd")
+torch.library.register_fake("kiln::cpu_paged_attention", _fake, lib=_LIB)
+
+
+@dataclass
+class CpuPagedMetadata(AttentionMetadata):
+    slot_mapping: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    gathered_rows: torch.Tensor  # [n] int64: short decode rows, attended in one gathered call
+    decode_slots: torch.Tensor  # [n * max_len] int64, their keys' slots
+    decode_bias: torch.Tensor  # [n * max_len] 0 or -inf in the model's dtype
+    pieces: torch.Tensor  # [P, 5] int64: (row, kind, start, length, parts), grouped by row
+    piece_slots: torch.Tensor  # [S] int64: the slots GATHERED pieces read
+
+    dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {
+        "slot_mapping": (0,),
+        "query_start_loc": (0,),
+        "gathered_rows": (0,),
+        "decode_slots": (0,),
+        "decode_bias": (0,),
+        "pieces": (0,),
+        "piece_slots": (0,),
+    }
+
+
+def block_runs(table: np.ndarray, num_keys: int, block_size: int) -> list[tuple[int, int]]:
+    """The first `num_keys` keys of a request whose blocks are `table`, as (first slot, length)
+    ranges of consecutive cache slots: its blocks sorted, cut where ids jump and after its last,
+    partly filled, block (whose unwritten slots are never read)."""
+    n_blocks = -(-num_keys // block_size)
+    blocks = table[:n_blocks].astype(np.int64)
+    tail_len = num_keys - (n_blocks - 1) * block_size
+    order = np.sort(blocks)
+    cuts = np.flatnonzero(np.diff(order) != 1) + 1
+    tail = int(blocks[-1])
+    if tail_len < block_size:  # cut after the partial block so a run never reads past it
+        at = int(np.searchsorted(order, tail)) + 1
+        cuts = np.union1d(cuts, [at]) if at < n_blocks else cuts
+    runs = []
+    for run in np.split(order, cuts):
+        length = len(run) * block_size - (block_size - tail_len if run[-1] == tail else 0)
+        runs.append((int(run[0]) * block_size, length))
+    return runs
+
+
+class CpuPagedMetadataBuilder(MetadataBuilder):
+    """Per step, on the host: which decode rows are gathered, and every other row's pieces."""
+
+    def __init__(self, dtype: torch.dtype, num_kv_heads: int, tuning: CpuAttentionTuning) -> None:
+        self.dtype, self.num_kv_heads, self.tuning = dtype, num_kv_heads, tuning
+        self.threads = torch.get_num_threads()
+
+    def build(self, layout: BatchLayout) -> CpuPagedMetadata:
+        lens = layout.seq_lens.numpy()
+        starts = layout.query_start_loc[: layout.num_reqs + 1].numpy()
+        tables = layout.block_tables.numpy()
+        gathered = self._gathered_rows(lens[: layout.num_decodes])
+        pieces, slots = [], []
+        for row in range(layout.num_reqs):
+            q_len = int(starts[row + 1] - starts[row])
+            is_decode = row < layout.num_decodes
+            if is_decode and row in gathered:
+                continue
+            cached = int(lens[row]) - (0 if is_decode else q_len)
+            self._row_pieces(row, tables[row], cached, layout.block_size, is_decode, pieces, slots)
+            if not is_decode:
+                pieces.append((row, OWN_CAUSAL, 0, q_len, 1))
+        rows = torch.tensor(sorted(gathered), dtype=torch.long)
+        decode_slots, decode_bias = decode_gather_tensors(
+            layout.block_tables[rows], layout.seq_lens[rows], layout.block_size, self.dtype
+        )
+        return CpuPagedMetadata(
+            slot_mapping=layout.slot_mapping,
+            query_start_loc=layout.query_start_loc,
+            gathered_rows=rows,
+            decode_slots=decode_slots,
+            decode_bias=decode_bias,
+            pieces=torch.tensor(pieces, dtype=torch.long).view(-1, 5),
+            piece_slots=torch.tensor(slots, dtype=torch.long),
+        )
+
+    def _gathered_rows(self, decode_lens: np.ndarray) -> set[int]:
+        """The shortest decode rows, up to gather_max keys each, while their gathered keys
+        (rows x the longest) fit the budget."""
+        rows: set[int] = set()
+        for row in np.argsort(decode_lens, kind="stable").tolist():
+            length = int(decode_lens[row])
+            if (
+                length > self.tuning.gather_max
+                or (len(rows) + 1) * length > self.tuning.gather_budget
+            ):
+                break
+            rows.add(row)
+        return rows
+
+    def _row_pieces(self, row, table, num_keys, block_size, is_decode, pieces, slots) -> None:
+        if num_keys == 0:
+            return
+        short = []
+        for start, length in block_runs(table, num_keys, block_size):
+            if length < self.tuning.min_run:
+                short.append(np.arange(start, start + length))
+                continue
+            parts = self._parts(length) if is_decode else 1
+            whole = length - length % parts  # the few keys left over join the gathered piece
+            pieces.append((row, IN_PLACE, start, whole, parts))
+            short.append(np.arange(start + whole, start + length))
+        gathered = np.concatenate(short) if short else np.empty(0, dtype=np.int64)
+        if len(gathered):
+            pieces.append((row, GATHERED, len(slots), len(gathered), 1))
+            slots.extend(gathered.tolist())
+
+    def _parts(self, length: int) -> int:
+        """Enough parts that the kernel's batch x heads keeps every thread busy, none shorter
+        than part_tokens."""
+        wanted = -(-2 * self.threads // self.num_kv_heads)
+        return max(1, min(wanted, length // self.tuning.part_tokens, self.tuning.max_parts))
+
+
+class CpuPagedAttentionBackend(AttentionBackend):
+    name = "cpu"
+    graph_support = GraphSupport.NEVER
+    splitting_ops = ("kiln::cpu_paged_attention",)
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.float32,
+        num_kv_heads: int = 1,
+        tuning: CpuAttentionTuning | None = None,
+    ) -> None:
+        self.dtype, self.num_kv_heads = dtype, num_kv_heads
+        self.tuning = tuning or CpuAttentionTuning()
+
+    def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
+        return CpuPagedMetadataBuilder(self.dtype, self.num_kv_heads, self.tuning)
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        out: torch.Tensor,
+        meta: CpuPagedMetadata,
+        scale: float,
+    ) -> None:
+        torch.ops.kiln.cpu_paged_attention(
+            q,
+            k,
+            v,
+            k_cache,
+            v_cache,
+            out,
+            meta.slot_mapping,
+            meta.query_start_loc,
+            meta.gathered_rows,
+            meta.decode_slots,
+            meta.decode_bias,
+            meta.pieces,
+            meta.piece_slots,
+            scale,
+        )

@@ -1,0 +1,38 @@
+"""On the CPU, keep freed memory in the process for reuse. glibc serves every allocation past
+its mmap threshold (128 KiB at start, adapting up to 32 MiB) with fresh pages and returns them
+on free, so a step's large temporaries (gathered keys, prefill activations) fault in new,
+zeroed pages at every step: measured here, gathering 50 MB of keys took 16.7 ms that way and
+2.4 ms from reused memory, and the adaptive threshold made the same step's time swing from one
+request to the next. Raising the threshold and disabling the trim trades that for a resident
+size that stays at its peak, as a server's does anyway."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import sys
+
+logger = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt's parameter numbers (malloc.h)
+MMAP_THRESHOLD = 1 << 30
+TRIM_THRESHOLD = (1 << 31) - 1
+
+
+def keep_freed_memory() -> bool:
+    """Set glibc's thresholds (idempotent); False, and nothing changed, without glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mmap_set = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+    if not (mmap_set and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)):
+        logger.warning("glibc refused kiln's malloc thresholds: large temporaries will fault in "
+                       "fresh pages at every step (slower, uneven step times)")  # fmt: skip
+        return False
+    return True

@@ -1,0 +1,193 @@
+"""The CPU attention backend (keys read in place from runs of the paged cache, merged by their
+log-sum-exp) against the pure-PyTorch reference backend and against attention by hand in
+float64: decode rows and chunked prefill, contexts ending mid-block and on block edges, GQA
+ratios and head dims, prefix hits, padding rows, and the cache it writes. Every path of the op
+(in place, gathered fragments, split decode runs, batched short decodes) is forced by its
+tuning on small shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import profile
+
+from kiln.attention.cpu_backend import (
+    GATHERED,
+    IN_PLACE,
+    OWN_CAUSAL,
+    CpuAttentionTuning,
+    CpuPagedAttentionBackend,
+    block_runs,
+)
+from kiln.attention.torch_backend import TorchPagedAttentionBackend
+from kiln.runner.input_buffers import BatchRow, InputBuffers
+
+BS, NUM_BLOCKS = 4, 96
+ALL_IN_PLACE = CpuAttentionTuning(gather_max=0, min_run=1, part_tokens=1 << 20)
+SPLIT = CpuAttentionTuning(gather_max=0, min_run=1, part_tokens=3, max_parts=4)
+FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max=0, min_run=3 * BS)
+SHORT_DECODES_BATCHED = CpuAttentionTuning(gather_max=16, gather_budget=40, min_run=1)
+TUNINGS = {
+    "in_place": ALL_IN_PLACE,
+    "split": SPLIT,
+    "gathered": FRAGMENTS_GATHERED,
+    "batched": SHORT_DECODES_BATCHED,
+    "default": CpuAttentionTuning(),
+}
+# (query length, keys already cached): decodes first, then a fresh prompt, then chunks with a
+# prefix: contexts ending mid-block (7, 6, 13) and on block edges (12, 8, 16)
+Q_LENS, FIRSTS = [1, 1, 1, 1, 9, 5, 4, 3], [7, 12, 15, 30, 0, 6, 8, 13]
+NUM_DECODES = 4
+
+
+def _batch(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, contiguous: bool, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    caches = torch.randn(2, NUM_BLOCKS, BS, kv_heads, dim, generator=g).to(dtype)
+    need = [-(-(f + n) // BS) for f, n in zip(FIRSTS, Q_LENS)]
+    order = torch.arange(NUM_BLOCKS) if contiguous else torch.randperm(NUM_BLOCKS, generator=g)
+    ids, tables = order.tolist(), []
+    for n in need:  # a contiguous cache hands each request consecutive blocks
+        tables.append(ids[:n])
+        ids = ids[n:]
+    rows = [BatchRow([0] * n, f, t) for n, f, t in zip(Q_LENS, FIRSTS, tables)]
+    t = sum(Q_LENS)
+    q, k, v = (torch.randn(t, n, dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
+    layout = InputBuffers(64, 16, max(need), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
+    return caches, q, k, v, layout
+
+
+def _run(backend, caches, q, k, v, layout, pad: int = 0):
+    meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
+    if pad:
+        q, k, v = (torch.cat([x, torch.randn(pad, *x.shape[1:], dtype=x.dtype)]) for x in (q, k, v))
+    out = torch.full((q.shape[0], q.shape[1] * q.shape[2]), float("nan"), dtype=q.dtype)
+    backend.forward(q, k, v, caches[0], caches[1], out, meta, q.shape[-1] ** -0.5)
+    return out
+
+
+def _by_hand(caches, q, layout) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v per request and head, causal, in float64, from the cache the
+    op wrote this step's keys into."""
+    heads, dim = q.shape[1:]
+    kv_heads = caches.shape[3]
+    out = torch.empty(q.shape[0], heads * dim, dtype=torch.float64)
+    starts = layout.query_start_loc.tolist()
+    for row, (first, n) in enumerate(zip(FIRSTS, Q_LENS)):
+        pos = torch.arange(first + n)
+        slots = layout.block_tables[row, pos // BS].long() * BS + pos % BS
+        keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
+        for i in range(n):
+            qi = q[starts[row] + i].double()
+            for h in range(heads):
+                kv = h // (heads // kv_heads)
+                seen = first + i + 1
+                p = torch.softmax(keys[:seen, kv] @ qi[h] * dim**-0.5, 0)
+                out[starts[row] + i, h * dim : (h + 1) * dim] = p @ values[:seen, kv]
+    return out
+
+
+@pytest.mark.parametrize("tuning", TUNINGS, ids=str)
+@pytest.mark.parametrize("contiguous", [True, False], ids=["contiguous", "fragmented"])
+@pytest.mark.parametrize("shape", [(6, 2, 16), (4, 4, 8), (8, 1, 32)], ids=str)
+def test_matches_attention_by_hand(tuning, contiguous, shape):
+    heads, kv_heads, dim = shape
+    caches, q, k, v, layout = _batch(heads, kv_heads, dim, torch.float32, contiguous)
+    out = _run(CpuPagedAttentionBackend(torch.float32, kv_heads, TUNINGS[tuning]),
+               caches, q, k, v, layout)  # fmt: skip
+    torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("tuning", ["in_place", "split", "gathered"])
+def test_bfloat16_matches_the_reference_backend(tuning):
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.bfloat16, contiguous=False)
+    ref_caches = caches.clone()
+    ours = _run(CpuPagedAttentionBackend(torch.bfloat16, 2, TUNINGS[tuning]),
+                caches, q, k, v, layout)  # fmt: skip
+    ref = _run(TorchPagedAttentionBackend(torch.bfloat16), ref_caches, q, k, v, layout)
+    torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    assert torch.equal(caches, ref_caches)  # the same keys and values in the same slots
+
+
+def test_cache_writes_equal_the_reference_backend():
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
+    ref_caches = caches.clone()
+    _run(CpuPagedAttentionBackend(torch.float32, 2, ALL_IN_PLACE), caches, q, k, v, layout)
+    _run(TorchPagedAttentionBackend(torch.float32), ref_caches, q, k, v, layout)
+    assert torch.equal(caches, ref_caches)
+    assert not torch.equal(caches, _batch(6, 2, 16, torch.float32, contiguous=False)[0])
+
+
+@pytest.mark.parametrize("tuning", ["in_place", "batched"])
+def test_padding_rows_become_zeros_and_change_nothing(tuning):
+    backend = CpuPagedAttentionBackend(torch.float32, 2, TUNINGS[tuning])
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
+    unpadded = _run(backend, caches.clone(), q, k, v, layout)
+    padded = _run(backend, caches, q, k, v, layout, pad=3)
+    torch.testing.assert_close(padded[:-3], unpadded)
+    assert padded[-3:].abs().max() == 0
+
+
+def test_a_long_decode_is_read_in_place_not_copied():
+    """One decode row over 30 cached keys in consecutive blocks: one flash call on a view of the
+    cache, and no gather (index_select) of keys."""
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
+    backend = CpuPagedAttentionBackend(torch.float32, 2, ALL_IN_PLACE)
+    meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
+    assert meta.pieces[3].tolist() == [3, IN_PLACE, layout.block_tables[3, 0].item() * BS, 31, 1]
+    with profile() as prof:
+        _run(backend, caches, q[3:4], k[3:4], v[3:4], _decode_only(layout, row=3))
+    names = {e.key: e.count for e in prof.key_averages()}
+    assert names.get("aten::index_select", 0) == 0
+    assert names["aten::_scaled_dot_product_flash_attention_for_cpu"] == 1
+
+
+def _decode_only(layout, row: int):
+    table = layout.block_tables[row].tolist()
+    first = FIRSTS[row]
+    return InputBuffers(8, 4, len(table), BS, torch.device("cpu")).fill(
+        [BatchRow([0], first, table)], num_decodes=1
+    )
+
+
+def test_short_decodes_are_gathered_together_within_the_budget():
+    """Decode rows of 8, 13, 16 and 31 keys: the three up to gather_max, shortest first, until
+    rows x the longest would pass the budget (3 x 16 > 40), the rest in place."""
+    layout = _batch(6, 2, 16, torch.float32, contiguous=True)[-1]
+    backend = CpuPagedAttentionBackend(torch.float32, 2, SHORT_DECODES_BATCHED)
+    meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
+    assert meta.gathered_rows.tolist() == [0, 1]
+    assert meta.decode_slots.shape == (2 * 13,)
+    assert [p[0] for p in meta.pieces.tolist()][:2] == [2, 3]
+
+
+def test_pieces_of_each_kind():
+    """Runs of at least min_run keys in place, shorter ones gathered, and each prefill chunk's
+    own keys."""
+    layout = _batch(6, 2, 16, torch.float32, contiguous=True)[-1]
+    meta = (
+        CpuPagedAttentionBackend(torch.float32, 2, FRAGMENTS_GATHERED)
+        .metadata_builder(64, torch.device("cpu"))
+        .build(layout)
+    )
+    by_row = [(row, kind, length) for row, kind, _, length, _ in meta.pieces.tolist()]
+    assert by_row[:4] == [(0, GATHERED, 8), (1, IN_PLACE, 13), (2, IN_PLACE, 16), (3, IN_PLACE, 31)]
+    own = [p for p in meta.pieces.tolist() if p[1] == OWN_CAUSAL]
+    assert [(row, length) for row, _, _, length, _ in own] == [
+        (4, 9), (5, 5), (6, 4), (7, 3),
+    ]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("table", "num_keys", "runs"),
+    [
+        ([3, 4, 5], 12, [(12, 12)]),  # consecutive, full
+        ([5, 4, 3], 10, [(12, 2), (16, 8)]),  # reversed: sorted, cut after the partial tail
+        ([3, 4, 5], 10, [(12, 10)]),  # the partial tail ends the run
+        ([7, 2, 3], 9, [(8, 5), (28, 4)]),
+        ([2, 9, 3], 12, [(8, 8), (36, 4)]),
+        ([2, 9, 3], 11, [(8, 7), (36, 4)]),  # tail 3 partial: cut after it
+    ],
+)
+def test_block_runs(table, num_keys, runs):
+    assert block_runs(np.array(table, dtype=np.int32), num_keys, BS) == runs
