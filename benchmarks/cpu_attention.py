@@ -1,4 +1,5 @@
-"""The CPU attention backends side by side, the op alone (one layer, cache write included): the
+"""The CPU attention backends side by side, the op alone (one layer's call, cache write included,
+then the step's metadata, built once for all layers, in its own column): the
 pure-PyTorch reference `torch` (gathers every key into a fresh copy) and `cpu` (reads runs of the
 paged cache in place, merges them by log-sum-exp). Cases: decode batches at growing contexts,
 and a 512-token prefill chunk after a long context. Each request's blocks are consecutive
@@ -7,7 +8,7 @@ permutation (`--layout fragmented`, the worst case: every run one block long).
 
     python benchmarks/cpu_attention.py                          # SmolLM2's heads, float32
     python benchmarks/cpu_attention.py --shape qwen3-0.6b --dtype bfloat16
-    python benchmarks/cpu_attention.py --gather-max 2048        # try another tuning"""
+    python benchmarks/cpu_attention.py --gather-max-bytes 0      # try another tuning"""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import time
 
 import torch
 
-from kiln.attention.backend import AttentionBackend
+from kiln.attention.backend import AttentionBackend, AttentionShape
 from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
+from kiln.boot.host_memory import keep_freed_memory
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # heads, KV heads, head dim
@@ -46,17 +48,20 @@ def _layout(rows_spec, block_size, layout_kind, gen):
     return buffers.fill(rows, num_decodes), total
 
 
-def _time(backend: AttentionBackend, layout, caches, q, k, v, repeats: int) -> float:
+def _time(backend: AttentionBackend, layout, caches, q, k, v, repeats: int):
+    """(ms per layer call, ms to build the step's metadata, which all layers share)."""
     builder = backend.metadata_builder(q.shape[0], torch.device("cpu"))
     out = torch.empty(q.shape[0], q.shape[1] * q.shape[2], dtype=q.dtype)
-    times = []
+    calls, builds = [], []
     for i in range(repeats + 2):
         t0 = time.perf_counter()
-        meta = builder.build(layout)  # once per step, not per layer: counted once per layer here
+        meta = builder.build(layout)
+        t1 = time.perf_counter()
         backend.forward(q, k, v, caches[0], caches[1], out, meta, q.shape[-1] ** -0.5)
         if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+            builds.append(t1 - t0)
+            calls.append(time.perf_counter() - t1)
+    return statistics.median(calls) * 1e3, statistics.median(builds) * 1e3
 
 
 def _case(name, rows_spec, args, backends, gen):
@@ -70,8 +75,9 @@ def _case(name, rows_spec, args, backends, gen):
     )
     repeats = max(3, min(30, int(2e6 // (num_blocks * args.block_size * len(rows_spec) + 1))))
     ms = {name: _time(b, layout, caches, q, k, v, repeats) for name, b in backends.items()}
-    ratio = ms["torch"] / ms["cpu"]
-    print(f"| {name} | {ms['torch']:.3f} | {ms['cpu']:.3f} | {ratio:.2f}x |", flush=True)
+    (torch_ms, torch_build), (cpu_ms, cpu_build) = ms["torch"], ms["cpu"]
+    print(f"| {name} | {torch_ms:.3f} | {cpu_ms:.3f} | {torch_ms / cpu_ms:.2f}x | "
+          f"{torch_build:.3f} | {cpu_build:.3f} |", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -81,22 +87,26 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layout", choices=("contiguous", "fragmented"), default="contiguous")
     defaults = CpuAttentionTuning()
-    ap.add_argument("--gather-max", type=int, default=defaults.gather_max)
+    ap.add_argument("--gather-max-bytes", type=int, default=defaults.gather_max_bytes)
+    ap.add_argument("--gather-budget-bytes", type=int, default=defaults.gather_budget_bytes)
     ap.add_argument("--min-run", type=int, default=defaults.min_run)
     ap.add_argument("--part-tokens", type=int, default=defaults.part_tokens)
     ap.add_argument("--max-parts", type=int, default=defaults.max_parts)
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = ap.parse_args()
+    keep_freed_memory()  # as the engine does on the CPU: no fresh pages for every gather
     dtype = getattr(torch, args.dtype)
-    tuning = CpuAttentionTuning(args.gather_max, args.min_run, args.part_tokens, args.max_parts)
+    tuning = CpuAttentionTuning(args.gather_max_bytes, args.gather_budget_bytes, args.min_run,
+                                args.part_tokens, args.max_parts)  # fmt: skip
     backends = {
         "torch": TorchPagedAttentionBackend(dtype),
-        "cpu": CpuPagedAttentionBackend(dtype, SHAPES[args.shape][1], tuning),
+        "cpu": CpuPagedAttentionBackend(dtype, AttentionShape(*SHAPES[args.shape]), tuning),
     }
     gen = torch.Generator().manual_seed(0)
     print(f"{args.shape} {args.dtype}, block size {args.block_size}, {args.layout} blocks, "
           f"{torch.get_num_threads()} threads, {tuning}")  # fmt: skip
-    print("| case | torch ms | cpu ms | speedup |\n| --- | --- | --- | --- |")
+    print("| case | torch ms | cpu ms | speedup | torch metadata ms | cpu metadata ms |\n"
+          "| --- | --- | --- | --- | --- | --- |")  # fmt: skip
     if args.only != "prefill":
         for rows, ctx in DECODE_CASES:
             _case(f"decode {rows} x {ctx}", [(1, ctx - 1)] * rows, args, backends, gen)

@@ -127,16 +127,23 @@ def test_the_isa_probe_starts_only_where_inductor_cpu_code_uses_it(
 def test_the_plan_only_preview_is_what_boot_resolved(engines):
     """`kiln info --plan-only`: the same plan and compile cache entry as the boot of that
     configuration, found sealed, without loading a weight or compiling."""
+    from kiln.attention.torch_backend import TorchPagedAttentionBackend
     from kiln.boot.preview import keyed_model, preview_engine
     from kiln.compile_cache.entry import entry_for_plan, is_sealed
 
     _, compiled = engines
     preview = preview_engine(compiled.config)
     assert preview.plan == compiled.plan and preview.max_model_len == compiled.max_model_len
-    args = (preview.plan.to_dict(), keyed_model(preview.source, preview.config),
-            preview.config.dtype)  # fmt: skip
-    path = entry_for_plan(*args, preview.device)
+    model_key = keyed_model(preview.source, preview.config, preview.attn_backend)
+    path = entry_for_plan(preview.plan.to_dict(), model_key, preview.config.dtype, preview.device)
     assert path == compiled.boot.compile_cache.path and is_sealed(path)
+    # another attention backend is another entry: a trace saved under one fails the other's
+    # guards (its metadata type) and would be traced again at every boot
+    reference = TorchPagedAttentionBackend(torch.float32)
+    other = keyed_model(preview.source, preview.config, reference)
+    assert (
+        entry_for_plan(preview.plan.to_dict(), other, preview.config.dtype, preview.device) != path
+    )
 
 
 def test_boundaries_are_checked_in_debug_mode(engines):

@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
+from kiln.attention.backend import AttentionShape
 from kiln.attention.cpu_backend import (
     GATHERED,
     IN_PLACE,
@@ -24,10 +25,13 @@ from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 BS, NUM_BLOCKS = 4, 96
-ALL_IN_PLACE = CpuAttentionTuning(gather_max=0, min_run=1, part_tokens=1 << 20)
-SPLIT = CpuAttentionTuning(gather_max=0, min_run=1, part_tokens=3, max_parts=4)
-FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max=0, min_run=3 * BS)
-SHORT_DECODES_BATCHED = CpuAttentionTuning(gather_max=16, gather_budget=40, min_run=1)
+KEY_BYTES = 128  # one token's keys in float32: 2 x 16, 4 x 8 and 1 x 32 KV heads x head dim
+ALL_IN_PLACE = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=1 << 20)
+SPLIT = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=3, max_parts=4)
+FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max_bytes=0, min_run=3 * BS)
+SHORT_DECODES_BATCHED = CpuAttentionTuning(
+    gather_max_bytes=16 * KEY_BYTES, gather_budget_bytes=40 * KEY_BYTES, min_run=1
+)
 TUNINGS = {
     "in_place": ALL_IN_PLACE,
     "split": SPLIT,
@@ -55,6 +59,10 @@ def _batch(heads: int, kv_heads: int, dim: int, dtype: torch.dtype, contiguous: 
     q, k, v = (torch.randn(t, n, dim, generator=g).to(dtype) for n in (heads, kv_heads, kv_heads))
     layout = InputBuffers(64, 16, max(need), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
     return caches, q, k, v, layout
+
+
+def _backend(dtype: torch.dtype, tuning: CpuAttentionTuning, heads=6, kv_heads=2, dim=16):
+    return CpuPagedAttentionBackend(dtype, AttentionShape(heads, kv_heads, dim), tuning)
 
 
 def _run(backend, caches, q, k, v, layout, pad: int = 0):
@@ -93,8 +101,8 @@ def _by_hand(caches, q, layout) -> torch.Tensor:
 def test_matches_attention_by_hand(tuning, contiguous, shape):
     heads, kv_heads, dim = shape
     caches, q, k, v, layout = _batch(heads, kv_heads, dim, torch.float32, contiguous)
-    out = _run(CpuPagedAttentionBackend(torch.float32, kv_heads, TUNINGS[tuning]),
-               caches, q, k, v, layout)  # fmt: skip
+    backend = _backend(torch.float32, TUNINGS[tuning], heads, kv_heads, dim)
+    out = _run(backend, caches, q, k, v, layout)
     torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
 
 
@@ -102,7 +110,7 @@ def test_matches_attention_by_hand(tuning, contiguous, shape):
 def test_bfloat16_matches_the_reference_backend(tuning):
     caches, q, k, v, layout = _batch(6, 2, 16, torch.bfloat16, contiguous=False)
     ref_caches = caches.clone()
-    ours = _run(CpuPagedAttentionBackend(torch.bfloat16, 2, TUNINGS[tuning]),
+    ours = _run(_backend(torch.bfloat16, TUNINGS[tuning]),
                 caches, q, k, v, layout)  # fmt: skip
     ref = _run(TorchPagedAttentionBackend(torch.bfloat16), ref_caches, q, k, v, layout)
     torch.testing.assert_close(ours.float(), ref.float(), rtol=2e-2, atol=2e-2)
@@ -112,7 +120,7 @@ def test_bfloat16_matches_the_reference_backend(tuning):
 def test_cache_writes_equal_the_reference_backend():
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
     ref_caches = caches.clone()
-    _run(CpuPagedAttentionBackend(torch.float32, 2, ALL_IN_PLACE), caches, q, k, v, layout)
+    _run(_backend(torch.float32, ALL_IN_PLACE), caches, q, k, v, layout)
     _run(TorchPagedAttentionBackend(torch.float32), ref_caches, q, k, v, layout)
     assert torch.equal(caches, ref_caches)
     assert not torch.equal(caches, _batch(6, 2, 16, torch.float32, contiguous=False)[0])
@@ -120,7 +128,7 @@ def test_cache_writes_equal_the_reference_backend():
 
 @pytest.mark.parametrize("tuning", ["in_place", "batched"])
 def test_padding_rows_become_zeros_and_change_nothing(tuning):
-    backend = CpuPagedAttentionBackend(torch.float32, 2, TUNINGS[tuning])
+    backend = _backend(torch.float32, TUNINGS[tuning])
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
     unpadded = _run(backend, caches.clone(), q, k, v, layout)
     padded = _run(backend, caches, q, k, v, layout, pad=3)
@@ -132,7 +140,7 @@ def test_a_long_decode_is_read_in_place_not_copied():
     """One decode row over 30 cached keys in consecutive blocks: one flash call on a view of the
     cache, and no gather (index_select) of keys."""
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
-    backend = CpuPagedAttentionBackend(torch.float32, 2, ALL_IN_PLACE)
+    backend = _backend(torch.float32, ALL_IN_PLACE)
     meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
     assert meta.pieces[3].tolist() == [3, IN_PLACE, layout.block_tables[3, 0].item() * BS, 31, 1]
     with profile() as prof:
@@ -151,10 +159,10 @@ def _decode_only(layout, row: int):
 
 
 def test_short_decodes_are_gathered_together_within_the_budget():
-    """Decode rows of 8, 13, 16 and 31 keys: the three up to gather_max, shortest first, until
-    rows x the longest would pass the budget (3 x 16 > 40), the rest in place."""
+    """Decode rows of 8, 13, 16 and 31 keys: the three of at most 16 keys' bytes, shortest
+    first, until rows x the longest would pass the budget (3 x 16 > 40), the rest in place."""
     layout = _batch(6, 2, 16, torch.float32, contiguous=True)[-1]
-    backend = CpuPagedAttentionBackend(torch.float32, 2, SHORT_DECODES_BATCHED)
+    backend = _backend(torch.float32, SHORT_DECODES_BATCHED)
     meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
     assert meta.gathered_rows.tolist() == [0, 1]
     assert meta.decode_slots.shape == (2 * 13,)
@@ -166,7 +174,7 @@ def test_pieces_of_each_kind():
     own keys."""
     layout = _batch(6, 2, 16, torch.float32, contiguous=True)[-1]
     meta = (
-        CpuPagedAttentionBackend(torch.float32, 2, FRAGMENTS_GATHERED)
+        _backend(torch.float32, FRAGMENTS_GATHERED)
         .metadata_builder(64, torch.device("cpu"))
         .build(layout)
     )
@@ -191,3 +199,15 @@ def test_pieces_of_each_kind():
 )
 def test_block_runs(table, num_keys, runs):
     assert block_runs(np.array(table, dtype=np.int32), num_keys, BS) == runs
+
+
+def test_a_long_decode_run_is_split_into_parts_and_its_leftover_gathered():
+    """31 keys in one run, parts of at least 3 keys, at most 4 (neither 4 nor 3 divides 31): 4
+    parts of 7 keys ride as the kernel's batch, the 3 keys left over are a piece of their own."""
+    layout = _batch(6, 2, 16, torch.float32, contiguous=True)[-1]
+    meta = _backend(torch.float32, SPLIT).metadata_builder(64, torch.device("cpu")).build(layout)
+    row3 = [p for p in meta.pieces.tolist() if p[0] == 3]
+    first = layout.block_tables[3, 0].item() * BS
+    assert row3 == [[3, IN_PLACE, first, 28, 4], [3, IN_PLACE, first + 28, 3, 1]]
+    row2 = [p for p in meta.pieces.tolist() if p[0] == 2]  # 16 keys: 4 parts of 4, none over
+    assert row2 == [[2, IN_PLACE, layout.block_tables[2, 0].item() * BS, 16, 4]]

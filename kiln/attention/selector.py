@@ -55,7 +55,7 @@ def select_backend(
                 f"attention backend 'cpu' runs on the CPU only (its kernel is the CPU's flash "
                 f"attention), not on {device.type}. Remedy: --attention-backend auto"
             )
-        return CpuPagedAttentionBackend(dtype, shape.num_kv_heads)
+        return CpuPagedAttentionBackend(dtype, shape)
     return _triton_backend(block_size, shape, device)
 
 

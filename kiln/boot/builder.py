@@ -71,7 +71,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
         with phases.phase("plan"):
             max_model_len = resolve_max_model_len(config, source.config)
             plan = resolve_plan(config, attn_backend, device, graph_backend, source.config)
-            entry = open_compile_cache(plan, config, source, device)
+            entry = open_compile_cache(plan, config, source, device, attn_backend)
             runner = _runner(model, attn_backend, plan, config, max_model_len, tokenizer, entry,
                              device)  # fmt: skip
             runner.attach_graphs(graph_backend_for(plan, device, graph_backend))
@@ -128,14 +128,19 @@ def load_model(
 
 
 def open_compile_cache(
-    plan: GraphPlan, config: EngineConfig, source: ModelSource, device: torch.device
+    plan: GraphPlan,
+    config: EngineConfig,
+    source: ModelSource,
+    device: torch.device,
+    attention: AttentionBackend,
 ) -> CompileCacheEntry | None:
     """Mode 3's compile cache entry, active (Inductor's and Triton's caches point into it)
     until boot ends."""
     if plan.mode != 3:
         return None
     check_cache_env(compile_root(), config.strict_graphs)
-    entry = open_for_plan(plan.to_dict(), keyed_model(source, config), config.dtype, device)
+    model_key = keyed_model(source, config, attention)
+    entry = open_for_plan(plan.to_dict(), model_key, config.dtype, device)
     entry.activate()
     logger.info(
         "compile cache %s (%s; waited %.1f s for other processes)",

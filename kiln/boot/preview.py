@@ -136,7 +136,9 @@ def preview_engine(config: EngineConfig) -> EnginePreview:
     return EnginePreview(config, device, source, backend, max_model_len, plan)
 
 
-def keyed_model(source: ModelSource, config: EngineConfig) -> dict:
-    """The model's part of the compile cache key: its config, and whether its weights may be
-    packed (packed linears are other ops in the graph)."""
-    return {**source.config.to_dict(), "quantization": config.quantization}
+def keyed_model(source: ModelSource, config: EngineConfig, attention: AttentionBackend) -> dict:
+    """The model's part of the compile cache key: its config, whether its weights may be packed
+    (packed linears are other ops in the graph), and its attention backend (another op and
+    metadata type in the graph: a trace saved for one backend fails its guards under another)."""
+    return {**source.config.to_dict(), "quantization": config.quantization,
+            "attention_backend": attention.name}  # fmt: skip

@@ -138,7 +138,7 @@ def _planned_cache(preview: EnginePreview) -> str:
         return NOT_COMPILED
     path = entry_for_plan(
         preview.plan.to_dict(),
-        keyed_model(preview.source, preview.config),
+        keyed_model(preview.source, preview.config, preview.attn_backend),
         preview.config.dtype,
         preview.device,
     )
