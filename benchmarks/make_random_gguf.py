@@ -7,7 +7,8 @@ file of that size is on the machine: kiln and llama.cpp both load it.
         --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
-a standard deviation near 0.02 and the activations stay finite; norms are ones. The tokenizer is
+a standard deviation near 0.02 and the activations stay finite; norms are ones. The embedding rows
+of control tokens are zeros, so greedy decoding never ends a timed answer early. The tokenizer is
 the embedded SmolLM2 file's (its metadata copied), its vocabulary padded with unused tokens to
 the model's size. The answers are noise: a profile for this file has no probes.
 
@@ -55,14 +56,16 @@ def _q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
+def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> list[int]:
+    """The embedded file's tokenizer, padded to `vocab`; returns its control tokens' ids."""
     source = GGUFFile(default_model_path()).fields
     tokens = list(source["tokenizer.ggml.tokens"])
     extra = vocab - len(tokens)
     writer.add_tokenizer_model(source["tokenizer.ggml.model"])
     writer.add_tokenizer_pre(source.get("tokenizer.ggml.pre", "default"))
     writer.add_token_list(tokens + [f"<unused_{i}>" for i in range(extra)])
-    writer.add_token_types(list(source["tokenizer.ggml.token_type"]) + [5] * extra)  # unused
+    # normal tokens, not "unused" ones, which llama.cpp streams as empty text
+    writer.add_token_types(list(source["tokenizer.ggml.token_type"]) + [1] * extra)
     writer.add_token_merges(source["tokenizer.ggml.merges"])
     for key, add in (
         ("bos", writer.add_bos_token_id),
@@ -75,6 +78,7 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> None:
             add(value)  # fmt: skip
     if "tokenizer.chat_template" in source:
         writer.add_chat_template(source["tokenizer.chat_template"])
+    return [i for i, kind in enumerate(source["tokenizer.ggml.token_type"]) if kind == 3]
 
 
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
@@ -93,13 +97,17 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     w.add_rope_freq_base(s["theta"])
     w.add_layer_norm_rms_eps(s.get("eps", 1e-5))
     w.add_vocab_size(s["vocab"])
-    _copy_tokenizer(w, s["vocab"])
+    control = _copy_tokenizer(w, s["vocab"])
     hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
 
     def matrix(name: str, n: int, k: int) -> None:
         w.add_tensor(name, make(rng, n, k), raw_dtype=T[kind])
 
-    matrix("token_embd.weight", s["vocab"], hidden)
+    # the tied head's rows of control tokens (end of text, end of turn) are zeros: their logit
+    # is 0 while the noise's largest is far above, so no engine stops early on a random EOS
+    embedding = make(rng, s["vocab"], hidden)
+    embedding[control] = 0
+    w.add_tensor("token_embd.weight", embedding, raw_dtype=T[kind])
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(s["layers"]):
         for name, n, k in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden),

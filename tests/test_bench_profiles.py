@@ -47,6 +47,7 @@ def _write(tmp_path, text: str) -> str:
         ("name = 'x'\nengine = 'external'\n", "needs a `command`"),
         ("name = 'x'\n[[probes]]\nprompt = 'hi'\n", "`prompt` and `expect`"),
         ("name = \n", "not valid TOML"),
+        ("name = 'x'\nrandom_weights = 1\n", "random_weights must be true or false"),
     ],
 )
 def test_profile_mistakes_are_clear_errors(tmp_path, text, match):
@@ -80,6 +81,8 @@ def test_the_long_context_profiles_pair_kiln_and_llama_cpp_without_probes():
     context (the model's), resolved through `kiln serve`'s own parser."""
     kiln_side, llama = load_profile("long-context"), load_profile("llama-cpp-long")
     assert kiln_side.probes == () and llama.probes == () and llama.engine == "external"
+    assert kiln_side.random_weights and llama.random_weights  # text checks off, lengths on
+    assert not load_profile("smollm2-compiled").random_weights
     args = resolve_serve_args(build_parser().parse_args(["serve", "--profile", "long-context"]))
     assert args.max_model_len == 40960 and args.dtype == "bfloat16"
     assert llama.command[llama.command.index("--n_ctx") + 1] == "40960"

@@ -117,3 +117,17 @@ def test_a_timed_request_holds_eos_back_on_every_server():
     assert timed["ignore_eos"] is True and timed["min_tokens"] == timed["max_tokens"] == 128
     probe = client.chat_body([{"role": "user", "content": "hi"}], 16, False, stream=False)
     assert "ignore_eos" not in probe and "min_tokens" not in probe  # probes stop on their own
+
+
+def test_random_weights_skip_the_text_checks_not_the_others():
+    """A random-weight model repeats one token by design: without text checks that trial counts,
+    while its length and streaming are still checked."""
+    repeated = [(1.0 + i / 100, " lamp") for i in range(100)]
+    rec = _record(chunks=repeated, completion_tokens=100, expected_output_tokens=100)
+    assert {"one_token_dominates", "highly_compressible_repetition"} <= set(invalid_reasons(rec))
+    assert invalid_reasons(rec, text_checks=False) == []
+    short = _record(chunks=repeated, completion_tokens=100, expected_output_tokens=128)
+    assert invalid_reasons(short, text_checks=False) == ["output_length_mismatch"]
+    assert invalid_reasons(_record(chunks=[(1.0, " x")]), text_checks=False) == [
+        "too_few_text_tokens"
+    ]

@@ -4,6 +4,7 @@ compile cache), the same probes and suite against each, one side-by-side table."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import shutil
@@ -92,7 +93,10 @@ def _run_one(
     try:
         server = launch(command, port, log_path, server_env(cache_dir), boot_timeout)
         try:
-            result = asyncio.run(_bench(server.base_url, profile, settings, probes, show_progress))
+            own = dataclasses.replace(
+                settings, text_checks=settings.text_checks and not profile.random_weights
+            )
+            result = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
         finally:
             exit_code = server.stop()
     finally:

@@ -31,6 +31,7 @@ class BenchSettings:
     ignore_eos: bool = True
     lanes: list[str] = field(default_factory=lambda: ["performance", "quality"])
     tokenizer: str | None = None
+    text_checks: bool = True  # off for random weights, whose answers are noise by design
 
     def check(self) -> None:
         positive = {
@@ -207,7 +208,7 @@ async def _round(
             source = "client"
         rec = _record(res, prompt, settings, source)
         key = (prompt.suite, prompt.target_tokens, conc, rep, slot, attempt)
-        return Trial(*key, rec, trial_metrics(rec), invalid_reasons(rec))
+        return Trial(*key, rec, trial_metrics(rec), invalid_reasons(rec, settings.text_checks))
 
     start = time.monotonic()
     trials = await asyncio.gather(*(one(slot, 0) for slot in range(conc)))

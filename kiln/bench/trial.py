@@ -83,8 +83,9 @@ def trial_metrics(rec: StreamRecord) -> TrialMetrics:
     return m
 
 
-def invalid_reasons(rec: StreamRecord) -> list[str]:
-    """Named reasons this trial may not count; empty when valid."""
+def invalid_reasons(rec: StreamRecord, text_checks: bool = True) -> list[str]:
+    """Named reasons this trial may not count; empty when valid. `text_checks` False (random
+    weights) skips the checks of what the answer says, not of its length or streaming."""
     if rec.error is not None:
         return ["request_failed"]
     reasons = []
@@ -98,13 +99,21 @@ def invalid_reasons(rec: StreamRecord) -> list[str]:
             reasons.append("prompt_tokens_outside_tolerance")
     if rec.cached_tokens:
         reasons.append("prompt_cache_hit")
-    reasons += _text_reasons(rec)
+    reasons += _stream_reasons(rec)
+    if text_checks and len(rec.chunks) >= MIN_TEXT_CHUNKS:
+        reasons += _text_reasons(rec)
     return reasons
 
 
-def _text_reasons(rec: StreamRecord) -> list[str]:
+def _stream_reasons(rec: StreamRecord) -> list[str]:
     if len(rec.chunks) < MIN_TEXT_CHUNKS:
         return ["too_few_text_tokens"]
+    if rec.completion_tokens and len(rec.chunks) / rec.completion_tokens < MIN_INCREMENTAL_SHARE:
+        return ["stream_not_incremental"]
+    return []
+
+
+def _text_reasons(rec: StreamRecord) -> list[str]:
     reasons = []
     words = rec.text.split()
     if words:
@@ -115,6 +124,4 @@ def _text_reasons(rec: StreamRecord) -> list[str]:
     raw = rec.text.encode()
     if len(raw) >= 200 and len(zlib.compress(raw, 9)) / len(raw) < MIN_COMPRESSION_RATIO:
         reasons.append("highly_compressible_repetition")
-    if rec.completion_tokens and len(rec.chunks) / rec.completion_tokens < MIN_INCREMENTAL_SHARE:
-        reasons.append("stream_not_incremental")
     return reasons

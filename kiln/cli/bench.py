@@ -36,6 +36,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         tolerance_percent=args.input_size_tolerance_percent,
         warmup=not args.no_warmup,
         ignore_eos=not args.no_ignore_eos,
+        text_checks=not args.random_weights,
         lanes=lanes,
         tokenizer=args.tokenizer,
     )

@@ -130,6 +130,13 @@ def _suite_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not send ignore_eos (for servers that reject it; lengths may then mismatch)",
     )
+    p.add_argument(
+        "--random-weights",
+        action="store_true",
+        help="the model's weights are random: skip the checks of the answers' text (repetition, "
+        "word variety), which assume a trained model (a profile's random_weights = true does "
+        "the same for its configuration)",
+    )
     p.add_argument("--tokenizer", help="count prompt tokens with this .gguf / HF dir locally")
     p.add_argument("--output", help="report directory (default bench-results/<time>)")
     p.add_argument("--no-progress", action="store_true")

@@ -51,6 +51,8 @@ class Profile:
     serve: dict[str, Any] = field(default_factory=dict)
     command: tuple[str, ...] = ()  # external engines: argv with {model} {port} {python}
     probes: tuple[Probe, ...] = ()
+    # random weights answer noise: the bench skips its checks of the answers' text for it
+    random_weights: bool = False
 
     def serve_defaults(self) -> dict[str, Any]:
         """The [serve] table as argparse destinations (compilation_config as JSON)."""
@@ -93,7 +95,8 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
-    known = {"name", "description", "model", "engine", "serve", "command", "probes"}
+    known = {"name", "description", "model", "engine", "serve", "command", "probes",
+             "random_weights"}  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"profile {path}: unknown keys {unknown}; known: {sorted(known)}")
@@ -113,7 +116,15 @@ def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
         serve=_check_serve(data.get("serve", {}), path) if engine == "kiln" else {},
         command=command,
         probes=tuple(_probe(p, path) for p in data.get("probes", ())),
+        random_weights=_flag(data, "random_weights", path),
     )
+
+
+def _flag(data: dict[str, Any], key: str, path: str) -> bool:
+    value = data.get(key, False)
+    if not isinstance(value, bool):
+        raise ConfigError(f"profile {path}: {key} must be true or false, got {value!r}")
+    return value
 
 
 def _check_serve(serve: dict[str, Any], path: str) -> dict[str, Any]:
