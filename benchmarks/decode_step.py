@@ -10,6 +10,8 @@ around the runner (scheduler, block manager, detokenizer, output).
     python benchmarks/decode_step.py --configs auto:float32:3 none:bfloat16:3 --tokens 128
     python benchmarks/decode_step.py --configs auto:bfloat16:3:torch auto:bfloat16:3:cpu \
         --context 7000                              # at 7k tokens of context, per attention backend
+    python benchmarks/decode_step.py --configs none:bfloat16:3 --streams 16 --context 512
+                                                    # a step of 16 concurrent streams
 
 A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND]. Numbers are milliseconds per
 decode step; the profiled rows count each op's own time under the nearest linear or attention
@@ -61,7 +63,9 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def measure(spec: str, tokens: int, threads: int, context: int) -> dict[str, float]:
+def measure(
+    spec: str, tokens: int, threads: int, context: int, streams: int
+) -> dict[str, float]:
     quantization, dtype, mode, *backend = spec.split(":")
     torch.set_num_threads(threads)
     llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)},
@@ -75,10 +79,10 @@ def measure(spec: str, tokens: int, threads: int, context: int) -> dict[str, flo
     timers.wrap(runner, "_run", "forward")
     timers.wrap(runner.model, "compute_logits", "LM head")
     timers.wrap(engine.runner, "execute", "runner")
-    steps, t0 = _decode(llm, prompt, params, timers)
+    steps, t0 = _decode(llm, prompt, params, timers, streams)
     wall = time.perf_counter() - t0
     row = {k: v * 1e3 / steps for k, v in timers.total.items()}
-    ops = _forward_ops(llm, prompt, params)
+    ops = _forward_ops(llm, prompt, params, streams)
     runner_ms = row.pop("runner")
     row["sample"] = runner_ms - row["prepare inputs"] - row["forward"] - row["LM head"]
     row["engine (scheduler, output)"] = wall * 1e3 / steps - runner_ms
@@ -95,17 +99,20 @@ def _prompt(llm: LLM, num_tokens: int) -> str:
     return llm.tokenizer.decode(ids)
 
 
-def _prefill(engine, request_id: str, ids: list[int], params: SamplingParams) -> None:
-    """Steps until the request's prompt is in the cache (chunked prefill: several steps)."""
-    engine.add_request(request_id, ids, params)
-    while engine.requests[request_id].seqs[0].num_output_tokens == 0:
+def _prefill(engine, name: str, ids: list[int], params: SamplingParams, streams: int) -> None:
+    """Steps until every stream's prompt is in the cache (chunked prefill: several steps).
+    Each stream's prompt starts with its own token, so no two share a prefix-cache hit."""
+    request_ids = [f"{name}-{i}" for i in range(streams)]
+    for i, request_id in enumerate(request_ids):
+        engine.add_request(request_id, [ids[(i + 1) % len(ids)], *ids], params)
+    while any(engine.requests[r].seqs[0].num_output_tokens == 0 for r in request_ids):
         engine.step()
 
 
-def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers):
+def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers, streams: int):
     """Decode steps only: the prefill steps run first, outside the timers' totals."""
     engine = llm.engine
-    _prefill(engine, "timed", llm.tokenizer.encode(prompt), params)
+    _prefill(engine, "timed", llm.tokenizer.encode(prompt), params, streams)
     timers.total.clear()
     steps, t0 = 0, time.perf_counter()
     while engine.has_unfinished_requests():
@@ -125,11 +132,13 @@ def _group(event) -> str:
     return "other ops"
 
 
-def _forward_ops(llm: LLM, prompt: str, params: SamplingParams) -> dict[str, float]:
+def _forward_ops(
+    llm: LLM, prompt: str, params: SamplingParams, streams: int
+) -> dict[str, float]:
     """ms per decode step in the forward's linears, attention and the rest (torch profiler:
     self CPU time of each op, attributed to the linear or attention op that called it)."""
     engine = llm.engine
-    _prefill(engine, "profiled", llm.tokenizer.encode(prompt), params)
+    _prefill(engine, "profiled", llm.tokenizer.encode(prompt), params, streams)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         steps = 0
         while engine.has_unfinished_requests() and steps < 32:
@@ -153,13 +162,18 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--context", type=int, default=0, help="prompt tokens (default: short)")
+    parser.add_argument("--streams", type=int, default=1, help="concurrent streams per step")
     args = parser.parse_args()
-    rows = {spec: measure(spec, args.tokens, args.threads, args.context) for spec in args.configs}
+    rows = {
+        spec: measure(spec, args.tokens, args.threads, args.context, args.streams)
+        for spec in args.configs
+    }
     names = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"\n{'ms per decode step':34}" + "".join(f"{s:>17}" for s in rows))
     for name in names:
         print(f"{name:34}" + "".join(f"{row.get(name, 0):17.2f}" for row in rows.values()))
-    print(f"{'tokens/s':34}" + "".join(f"{1e3 / row['step']:17.1f}" for row in rows.values()))
+    rates = "".join(f"{args.streams * 1e3 / row['step']:17.1f}" for row in rows.values())
+    print(f"{'tokens/s (all streams)':34}" + rates)
 
 
 if __name__ == "__main__":

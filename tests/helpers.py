@@ -30,6 +30,7 @@ def make_engine(
     strict_graphs: bool = False,
     quantization: str = "auto",
     tokenizer: str | None = None,
+    prefill_weights: str = "auto",
 ) -> LLMEngine:
     return build_engine(
         EngineConfig(
@@ -37,6 +38,7 @@ def make_engine(
             tokenizer=tokenizer,
             dtype=dtype,
             quantization=quantization,
+            prefill_weights=prefill_weights,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

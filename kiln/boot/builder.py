@@ -14,6 +14,7 @@ from kiln.boot.capture import GraphCapture, graph_backend_for
 from kiln.boot.host_memory import keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
+from kiln.boot.prefill_weights import keep_dense_copies
 from kiln.boot.preview import (
     for_device,
     keyed_model,
@@ -119,6 +120,7 @@ def load_model(
         torch.set_default_dtype(default_dtype)
     load_weights(model, source.tensors(dtype, keep_packed=config.quantization == "auto"))
     model.finalize(device)
+    keep_dense_copies(model, dtype, device, config.prefill_weights)
     model.weight_summary = weight_summary(model)
     logger.info("weights: %s", describe_weights(model.weight_summary))
     warning = slow_cpu_dtype(dtype) if device.type == "cpu" else None

@@ -178,6 +178,17 @@ class EngineConfig:
             choices=("auto", "none"),
         ),
     )
+    prefill_weights: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "packed weights of a bfloat16/float16 model on the CPU: auto (default) keeps a "
+            "dense copy of each for batches of 16+ rows (prefill chunks, many streams) when "
+            "the copies fit in a quarter of the free memory; dense: always; packed: never "
+            "(every prefill chunk dequantizes the weights instead)",
+            choices=("auto", "dense", "packed"),
+        ),
+    )
     device: str = field(default="auto", metadata=option(str, "auto (default), cpu or cuda[:N]"))
     seed: int = field(
         default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")

@@ -15,7 +15,12 @@ depend on what else is in the batch. On the CPU it is a matrix-vector kernel who
 with the rows: for a bf16 model, from 256 rows on (prefill chunks), dequantizing the weight to
 bf16 and running one dense matmul is faster (docs/performance.md, "Packed weights"), at the
 price of that independence. The op picks by the row count at run time: the row count is
-dynamic in compiled graphs, so the choice cannot be made while tracing."""
+dynamic in compiled graphs, so the choice cannot be made while tracing.
+
+Dequantizing every weight for every prefill chunk costs about as much as the chunk's matmuls.
+A half-precision model on the CPU can instead keep a dense oneDNN copy of each packed weight
+beside it (`dense`, set by kiln/boot/prefill_weights.py): batches of DENSE_MIN_ROWS rows or more
+run on the copy, smaller ones (decode steps) stream the 4-bit planes."""
 
 from __future__ import annotations
 
@@ -28,6 +33,9 @@ from torch import nn
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 CPU_BLOCK_N = 64  # the CPU kernel's layout: [N / 64, K, 32] bytes, n and n + 32 in one byte
 DEQUANT_MIN_ROWS = 256  # bf16 on the CPU: from here on dequantize + dense matmul is faster
+# with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
+# bytes (docs/performance.md, "Packed weights under concurrency")
+DENSE_MIN_ROWS = 16
 
 
 @dataclass
@@ -106,6 +114,13 @@ class PackedInt4(nn.Module):
             packed, scales_zeros = pack_plane(plane, device)
             self.register_buffer(f"packed{i}", packed)
             self.register_buffer(f"scales_zeros{i}", scales_zeros)
+        # oneDNN copy for large batches (CPU only); a parameter, as Linear's oneDNN weight is:
+        # the compile cache's trace cannot save an oneDNN tensor held as a buffer
+        self.register_parameter("dense", None)
+
+    def keep_dense_copy(self, dense: torch.Tensor) -> None:
+        """`dense`: this weight [out, in] prepacked for oneDNN in the model's dtype."""
+        self.dense = nn.Parameter(dense, requires_grad=False)
 
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         n = range(self.num_planes)
@@ -117,7 +132,10 @@ class PackedInt4(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         packed, scales_zeros = self.planes()
-        if rows.device.type == "cpu":
+        if rows.device.type == "cpu" and self.dense is not None:
+            y = torch.ops.kiln.int4_or_dense_mm(rows, packed, scales_zeros, self.dense,
+                                                self.group_size)  # fmt: skip
+        elif rows.device.type == "cpu":
             y = torch.ops.kiln.int4_mm(rows, packed[0], scales_zeros[0], self.group_size)
             if len(packed) == 2:
                 y = y + torch.ops.kiln.int4_mm(rows, packed[1], scales_zeros[1], self.group_size)
@@ -274,6 +292,40 @@ torch.library.register_fake(
         rows.shape[0],
         scales_zeros.shape[1],
         dtype=torch.float32 if rows.dtype == torch.float32 else torch.bfloat16,
+    ),
+    lib=_LIB,
+)
+
+
+def _int4_or_dense_mm(
+    rows: torch.Tensor,
+    packed: list[torch.Tensor],
+    scales_zeros: list[torch.Tensor],
+    dense: torch.Tensor,
+    group_size: int,
+) -> torch.Tensor:
+    """CPU, [R, K] rows -> [R, out] in the dense copy's dtype: the int4 planes below
+    DENSE_MIN_ROWS rows, the dense copy (oneDNN) from there."""
+    rows = rows.to(dense.dtype)
+    if rows.shape[0] >= DENSE_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(rows, dense, None, "none", [], "")
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    half = rows.to(torch.bfloat16)
+    y = functools.reduce(torch.add, (
+        mm(half, p, group_size, sz) for p, sz in zip(packed, scales_zeros)
+    ))  # fmt: skip
+    return y[:, : dense.shape[0]].to(dense.dtype)
+
+
+_LIB.define(
+    "int4_or_dense_mm(Tensor rows, Tensor[] packed, Tensor[] scales_zeros, Tensor dense, "
+    "int group_size) -> Tensor"
+)
+_LIB.impl("int4_or_dense_mm", _int4_or_dense_mm, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "kiln::int4_or_dense_mm",
+    lambda rows, packed, scales_zeros, dense, group_size: rows.new_empty(
+        rows.shape[0], dense.shape[0], dtype=dense.dtype
     ),
     lib=_LIB,
 )

@@ -196,7 +196,8 @@ def _format(module: Linear | VocabEmbedding) -> str:
     if module.packed is not None:
         p = module.packed
         planes = " (two planes)" if p.num_planes == 2 else ""
-        return f"{what}: {p.kind} -> int4 packed, group {p.group_size}{planes}"
+        dense = f" + dense {_dtype_name(p.dense)} copy" if p.dense is not None else ""
+        return f"{what}: {p.kind} -> int4 packed, group {p.group_size}{planes}{dense}"
     dtype = str(module.weight.dtype).removeprefix("torch.")
     if module.fallback_reason:
         return f"{what}: dequantized to {dtype} ({module.fallback_reason})"
@@ -209,3 +210,7 @@ def describe_weights(summary: list[tuple[str, int, int]]) -> str:
     total = sum(b for _, _, b in summary)
     parts = [f"{fmt}: {n} tensors, {b / 2**20:.1f} MiB" for fmt, n, b in summary]
     return "; ".join(parts) + f"; resident {total / 2**20:.1f} MiB"
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")

@@ -1,0 +1,96 @@
+"""Dense copies of packed weights for large batches on the CPU (`--prefill-weights`).
+
+The int4 kernel reads a quarter of the bytes of a bf16 weight, which is what a decode step is
+made of; its time grows with the rows, so a prefill chunk of hundreds of rows runs on the weight
+dequantized to bf16 instead, and dequantizing every weight for every chunk costs about as much
+as the chunk's matmuls (docs/performance.md, "Packed weights under concurrency"). A dense copy
+made once at load removes that cost for two bytes per weight more memory (the embedded model:
+270 MB beside its 67 MB of codes). Only half-precision models on the CPU take copies: a float32
+model's rows stay on the int4 kernel, each row computed alone, so its results do not depend on
+the batch."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kiln.boot.kv_cache import available_memory
+from kiln.errors import ConfigError
+from kiln.layers.embedding import VocabEmbedding
+from kiln.layers.linear import Linear, onednn_runs, prepack_for_cpu
+from kiln.layers.packed import PackedInt4
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("auto", "dense", "packed")
+AUTO_MEMORY_FRACTION = 0.25  # auto keeps the copies when they take at most this much of the free
+
+
+@dataclass
+class DenseCopies:
+    tensors: int = 0
+    bytes: int = 0
+
+
+def keep_dense_copies(
+    model: nn.Module, dtype: torch.dtype, device: torch.device, policy: str
+) -> DenseCopies:
+    """Give every packed linear of `model` (and a packed embedding that is also its LM head)
+    a dense oneDNN copy in `dtype`, as `policy` says: auto (when they fit in a quarter of the
+    free host memory, else a warning naming the remedy), dense (always, an error where no copy
+    can run), packed (never)."""
+    layers = _packed_products(model)
+    if policy == "packed" or not layers:
+        return DenseCopies()
+    why_not = _unsupported(dtype, device)
+    if why_not is not None:
+        if policy == "dense":
+            raise ConfigError(f"--prefill-weights dense: {why_not}; use auto or packed")
+        return DenseCopies()
+    size = torch.empty((), dtype=dtype).element_size()
+    need = sum(m.out_features * m.in_features * size for m in layers)
+    free = available_memory(device)
+    if policy == "auto" and need > AUTO_MEMORY_FRACTION * free:
+        logger.warning(
+            "packed weights: no dense copies for prefill chunks (%.1f MiB would take more than "
+            "a quarter of the %.1f MiB free), so every chunk dequantizes the weights it uses "
+            "(prefill about 2x slower). Remedy: --prefill-weights dense to keep them anyway",
+            need / 2**20,
+            free / 2**20,
+        )
+        return DenseCopies()
+    for packed in layers:
+        packed.keep_dense_copy(prepack_for_cpu(packed.dequantize().to(dtype)))
+    logger.info(
+        "packed weights: dense %s copies of %d tensors for batches of 16+ rows (%.1f MiB; "
+        "--prefill-weights packed saves them)",
+        str(dtype).removeprefix("torch."),
+        len(layers),
+        need / 2**20,
+    )
+    return DenseCopies(len(layers), need)
+
+
+def _packed_products(model: nn.Module) -> list[PackedInt4]:
+    """The packed weights that multiply activations: linears, and tied heads (a packed
+    embedding that is only looked up needs no copy)."""
+    out = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    for m in model.modules():
+        table = getattr(m, "embed_tokens", None)
+        tied = hasattr(m, "lm_head") and m.lm_head is None
+        if tied and isinstance(table, VocabEmbedding) and table.packed is not None:
+            out.append(table.packed)
+    return out
+
+
+def _unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"dense copies are a CPU path (device {device.type})"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "a float32 model keeps its rows on the int4 kernel (batch-independent results)"
+    if not onednn_runs(dtype):
+        return f"oneDNN has no native {str(dtype).removeprefix('torch.')} kernels on this CPU"
+    return None

@@ -1,0 +1,92 @@
+"""Dense copies of packed weights (`--prefill-weights`): the op's two paths against the
+dequantized reference, which layers get copies under each policy, and a packed bf16 model's
+logits with copies against the same model without them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.errors import ConfigError
+from kiln.layers.linear import onednn_runs, prepack_for_cpu
+from kiln.layers.packed import DENSE_MIN_ROWS, PackedInt4
+from kiln.models.weights import describe_weights
+from tests.helpers import make_engine
+from tests.test_packed import BF16_ULP, CPU, _gguf_tensor
+
+needs_bf16_onednn = pytest.mark.skipif(
+    not onednn_runs(torch.bfloat16), reason="this CPU has no native oneDNN bf16 kernels"
+)
+
+
+@needs_bf16_onednn
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+@pytest.mark.parametrize("rows", [1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
+def test_dense_copy_matches_the_dequantized_matmul(kind, rows):
+    n, k = 100, 512  # 100 rows: the packed planes are padded to 128, the copy is not
+    ref_w, planes = _gguf_tensor(kind, n, k)
+    with_copy, without = PackedInt4(planes, CPU), PackedInt4(planes, CPU)
+    with_copy.keep_dense_copy(prepack_for_cpu(with_copy.dequantize().to(torch.bfloat16)))
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    y = with_copy(x)
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    ref = x.float() @ torch.from_numpy(ref_w).t()
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+    if rows < DENSE_MIN_ROWS:  # small batches stay on the int4 kernel: the very same values
+        assert torch.equal(y, without(x))
+
+
+def _copies(engine) -> list[bool]:
+    packed = [m for m in engine.runner.model.modules() if isinstance(m, PackedInt4)]
+    return [m.dense is not None for m in packed]
+
+
+@needs_bf16_onednn
+def test_a_bf16_model_keeps_copies_and_computes_the_same_logits(tiny_models, packed_gguf):
+    from kiln import SamplingParams
+    from tests.helpers import run_schedule
+
+    prompt = [(7 * i + 3) % 900 for i in range(40)]  # a 40-row prefill: the dense path
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    logits = {}
+    for policy in ("auto", "packed"):
+        engine = make_engine(packed_gguf, dtype="bfloat16", tokenizer=tiny_models["llama"],
+                             prefill_weights=policy)  # fmt: skip
+        # 2 layers x 4 linears and the (untied) head; the embedding is only looked up
+        assert sum(_copies(engine)) == (9 if policy == "auto" else 0)
+        assert ("dense bfloat16 copy" in describe_weights(engine.runner.model.weight_summary)) == (
+            policy == "auto"
+        )
+        _, recorded = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+        logits[policy] = recorded["0"][0].float()  # the prefill's logits
+        engine.close()
+    # the copy is the dequantized weight rounded to bf16 once; without it each chunk rounds
+    # the same dequantized values the same way: equal up to the matmuls' summation order
+    ref = logits["packed"]
+    torch.testing.assert_close(logits["auto"], ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max())
+
+
+def test_a_float32_model_keeps_no_copies_and_dense_says_why(tiny_models, packed_gguf):
+    engine = make_engine(packed_gguf, tokenizer=tiny_models["llama"])
+    assert not any(_copies(engine)) and len(_copies(engine)) == 10
+    engine.close()
+    with pytest.raises(ConfigError, match="float32 model keeps its rows on the int4 kernel"):
+        make_engine(packed_gguf, tokenizer=tiny_models["llama"], prefill_weights="dense")
+
+
+@needs_bf16_onednn
+def test_compiled_bf16_packed_model_with_copies_matches_eager(tiny_models, packed_gguf):
+    """Mode 3 calls the op with its oneDNN copy as a graph input (chunks of 16 rows take the
+    copy, decodes the int4 kernel): eager's greedy tokens, logits within bf16 rounding."""
+    from kiln.config.compilation import CompilationConfig
+    from tests.test_compiled import _assert_matches_eager
+
+    kwargs = dict(block_size=4, max_num_batched_tokens=16, dtype="bfloat16",
+                  tokenizer=tiny_models["llama"])  # fmt: skip
+    eager = make_engine(packed_gguf, **kwargs)
+    config = CompilationConfig(mode=3, splitting_ops=())
+    compiled = make_engine(packed_gguf, **kwargs, compilation=config)
+    assert sum(_copies(compiled)) == 9
+    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * BF16_ULP)
+    assert compiled.runner.compile_backend.stats.trace in ("traced and saved", "loaded")
