@@ -63,9 +63,7 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def measure(
-    spec: str, tokens: int, threads: int, context: int, streams: int
-) -> dict[str, float]:
+def measure(spec: str, tokens: int, threads: int, context: int, streams: int) -> dict[str, float]:
     quantization, dtype, mode, *backend = spec.split(":")
     torch.set_num_threads(threads)
     llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)},
@@ -132,9 +130,7 @@ def _group(event) -> str:
     return "other ops"
 
 
-def _forward_ops(
-    llm: LLM, prompt: str, params: SamplingParams, streams: int
-) -> dict[str, float]:
+def _forward_ops(llm: LLM, prompt: str, params: SamplingParams, streams: int) -> dict[str, float]:
     """ms per decode step in the forward's linears, attention and the rest (torch profiler:
     self CPU time of each op, attributed to the linear or attention op that called it)."""
     engine = llm.engine

@@ -65,6 +65,33 @@ def test_bench_run_second_time_is_still_cold(baseline_server, tmp_path, capsys):
     assert doc["runs"][0]["probes"] == []  # the performance lane alone
 
 
+def test_bench_run_passes_report_each_pass_against_the_first(baseline_server, tmp_path, capsys):
+    """--passes 2: the same load twice on one server, one row per pass with its deltas
+    against the first (the aggregate rate's too), the probes in the first pass only."""
+    out = tmp_path / "passes"
+    code = main(
+        [
+            "bench", "run", "--base-url", baseline_server.base, "--profile", "smollm2-baseline",
+            "--suite", "coding", "--sizes", "256", "--output-tokens", "8", "--repetitions", "1",
+            "--concurrency", "2", "--passes", "2", "--output", str(out), "--no-progress",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+    assert code == 0, printed
+    doc = json.loads((out / "report.json").read_text())
+    first, second = doc["runs"]
+    assert [first["config"], second["config"]] == [
+        "smollm2-baseline pass 1/2",
+        "smollm2-baseline pass 2/2",
+    ]
+    assert [p["passed"] for p in first["probes"]] == [True, True] and second["probes"] == []
+    assert all(t["record"]["cached_tokens"] == 0 for t in second["trials"])  # still cold
+    (row,) = [ln for ln in printed.splitlines() if ln.startswith("| smollm2-baseline pass 2/2")]
+    delta_aggregate = row.split("|")[-3].strip()
+    assert delta_aggregate.endswith("%") and delta_aggregate != "-"
+    assert "2 passes per server" in (out / "report.md").read_text()
+
+
 def test_bench_run_unreachable_server_is_a_clear_error(tmp_path, capsys):
     code = main(["bench", "run", "--base-url", "http://127.0.0.1:9", "--output", str(tmp_path)])
     assert code == 2
@@ -108,7 +135,8 @@ def test_bench_matrix_two_configurations(smollm_path, tmp_path, capsys):
         for ln in printed.splitlines()
         if ln.startswith("| eager-a") or ln.startswith("| external-b")
     ]
-    assert len(lines) == 2 and lines[0].endswith("| +0.0% | +0.0% | +0.0% |")
+    # concurrency 1 has no aggregate rate: its delta is "-"
+    assert len(lines) == 2 and lines[0].endswith("| +0.0% | +0.0% | - | +0.0% |")
     doc = json.loads((out / "report.json").read_text())
     first, second = doc["runs"]
     assert [r["config"] for r in doc["runs"]] == ["eager-a", "external-b"]

@@ -73,11 +73,11 @@ def test_table_deltas_against_the_first_configuration():
         _run("fast", [_trial(0, 0.5, 0.05)])
     )
     table = markdown_table(rows, with_deltas=True).splitlines()
-    assert table[0].endswith("| Δ prefill | Δ generation | Δ TTFT |")
+    assert table[0].endswith("| Δ prefill | Δ generation | Δ aggregate | Δ TTFT |")
     assert table[2].startswith("| base | regular 1000 | 1 | 1000 | 1000.0 | 10.0 | 1.000 |")
-    assert table[2].endswith("| Yes | +0.0% | +0.0% | +0.0% |")
+    assert table[2].endswith("| Yes | +0.0% | +0.0% | - | +0.0% |")  # concurrency 1: no aggregate
     # twice the prefill and generation rates, half the TTFT
-    assert table[3].endswith("| Yes | +100.0% | +100.0% | -50.0% |")
+    assert table[3].endswith("| Yes | +100.0% | +100.0% | - | -50.0% |")
 
 
 def test_bad_bench_flags_are_clear_errors(capsys):
@@ -88,6 +88,7 @@ def test_bad_bench_flags_are_clear_errors(capsys):
     cases = [
         (["--sizes", "0"], "--sizes must be at least 1"),
         (["--concurrency", "0"], "--concurrency must be at least 1"),
+        (["--passes", "0"], "--passes must be at least 1"),
         (["--input-size-tolerance-percent", "0"], "tolerance above 0"),
         (["--profile", "missing.toml"], "does not exist"),
     ]

@@ -19,7 +19,7 @@ from kiln.bench.launcher import (
     launch,
     server_env,
 )
-from kiln.bench.runner import BenchSettings, RunResult, run_benchmark
+from kiln.bench.runner import BenchSettings, RunResult, run_passes
 from kiln.profiles import Profile, load_profile
 
 logger = logging.getLogger(__name__)
@@ -65,13 +65,12 @@ def run_matrix(
     for profile in profiles:
         probes = profile.probes or fallback_probes  # one model, so one probe set
         try:
-            result = _run_one(
+            results += _run_one(
                 profile, model, settings, out_dir, boot_timeout, probes, show_progress
             )
         except BenchError as exc:  # the other configurations still get their rows
             logger.error("configuration %s failed: %s", profile.name, exc)
-            result = RunResult(profile.name, "", model or "", "", settings, error=str(exc))
-        results.append(result)
+            results.append(RunResult(profile.name, "", model or "", "", settings, error=str(exc)))
     return results
 
 
@@ -83,7 +82,7 @@ def _run_one(
     boot_timeout: float,
     probes,
     show_progress: bool,
-) -> RunResult:
+) -> list[RunResult]:
     port = free_port()
     is_kiln = profile.engine == "kiln"
     cache_dir = tempfile.mkdtemp(prefix="kiln-bench-cache-") if is_kiln else None
@@ -96,32 +95,34 @@ def _run_one(
             own = dataclasses.replace(
                 settings, text_checks=settings.text_checks and not profile.random_weights
             )
-            result = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
+            results = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
         finally:
             exit_code = server.stop()
     finally:
         if cache_dir is not None:
             shutil.rmtree(cache_dir, ignore_errors=True)
-    result.server |= {
-        "boot_s": server.boot_s,
-        "command": command,
-        "log": log_path,
-        "exit_code": exit_code,
-        "fresh_compile_cache": cache_dir,
-    }
-    return result
+    for result in results:
+        result.server |= {
+            "boot_s": server.boot_s,
+            "command": command,
+            "log": log_path,
+            "exit_code": exit_code,
+            "fresh_compile_cache": cache_dir,
+        }
+    return results
 
 
 async def _bench(
     base_url: str, profile: Profile, settings: BenchSettings, probes, show_progress: bool
-) -> RunResult:
+) -> list[RunResult]:
     client = OpenAIClient(base_url, model="")
     try:
         client.model = await served_model(client)
         info = await engine_info(client)
-        result = await run_benchmark(client, settings, profile.name, probes, show_progress)
-        result.server = info
-        return result
+        results = await run_passes(client, settings, profile.name, probes, show_progress)
+        for result in results:
+            result.server = dict(info)
+        return results
     finally:
         await client.aclose()
 

@@ -99,7 +99,8 @@ def markdown_report(
         "",
         f"kiln {machine['kiln_version']}, torch {machine['torch']}, "
         f"{machine.get('cuda_device') or machine['processor']} ({machine['cpu_count']} CPUs). "
-        f"Output {s.output_tokens} tokens, {s.repetitions} repetitions, prompt size tolerance "
+        f"Output {s.output_tokens} tokens, {s.repetitions} repetitions"
+        f"{f', {s.passes} passes per server' if s.passes > 1 else ''}, prompt size tolerance "
         f"{s.tolerance_percent}%, cold protocol (unique tag per request), "
         f"warm-up {'on' if s.warmup else 'off'}. Medians over valid trials.",
         "",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import secrets
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from tqdm import tqdm
@@ -32,6 +32,7 @@ class BenchSettings:
     lanes: list[str] = field(default_factory=lambda: ["performance", "quality"])
     tokenizer: str | None = None
     text_checks: bool = True  # off for random weights, whose answers are noise by design
+    passes: int = 1  # the whole performance lane again on the same server, each pass reported
 
     def check(self) -> None:
         positive = {
@@ -39,6 +40,7 @@ class BenchSettings:
             "--output-tokens": self.output_tokens,
             "--concurrency": min(self.concurrency, default=0),
             "--repetitions": self.repetitions,
+            "--passes": self.passes,
         }
         for flag, value in positive.items():
             if value < 1:
@@ -134,6 +136,27 @@ async def run_benchmark(
         await _performance_lane(client, settings, result, show_progress)
     result.duration_s = time.monotonic() - t0
     return result
+
+
+async def run_passes(
+    client: OpenAIClient,
+    settings: BenchSettings,
+    config: str,
+    probes: tuple[Probe, ...] = (),
+    show_progress: bool = True,
+) -> list[RunResult]:
+    """`settings.passes` runs of the benchmark against one server, each its own result
+    ("CONFIG pass i/N" when there are several): a server that slows down from one identical
+    load to the next shows it side by side. The probes run in the first pass only."""
+    if settings.passes == 1:
+        return [await run_benchmark(client, settings, config, probes, show_progress)]
+    results = []
+    for i in range(settings.passes):
+        lanes = settings.lanes if i == 0 else [x for x in settings.lanes if x != "quality"]
+        label = f"{config} pass {i + 1}/{settings.passes}"
+        own = replace(settings, lanes=lanes)
+        results.append(await run_benchmark(client, own, label, probes, show_progress))
+    return results
 
 
 async def _performance_lane(

@@ -131,8 +131,8 @@ def markdown_table(rows: list[Row], with_deltas: bool = False) -> str:
     configuration's row of the same suite, size and concurrency."""
     header, rule = HEADER, "|---|---|---|---|---|---|---|---|---|"
     if with_deltas:
-        header += " Δ prefill | Δ generation | Δ TTFT |"
-        rule += "---|---|---|"
+        header += " Δ prefill | Δ generation | Δ aggregate | Δ TTFT |"
+        rule += "---|---|---|---|"
     first = {}
     for r in rows:
         first.setdefault((r.suite, r.size, r.concurrency), r)
@@ -156,6 +156,7 @@ def markdown_table(rows: list[Row], with_deltas: bool = False) -> str:
             cells += [
                 _delta(r.prefill_tok_s, ref.prefill_tok_s),
                 _delta(r.generation_tok_s, ref.generation_tok_s),
+                _delta(r.aggregate_output_tok_s, ref.aggregate_output_tok_s),
                 _delta(r.ttft_s, ref.ttft_s),
             ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -13,7 +13,7 @@ from kiln.bench.client import OpenAIClient
 from kiln.bench.matrix import engine_info, matrix_profiles, run_matrix, served_model
 from kiln.bench.prompts import suite_names
 from kiln.bench.report import write_reports
-from kiln.bench.runner import BenchSettings, RunResult, run_benchmark
+from kiln.bench.runner import BenchSettings, RunResult, run_passes
 from kiln.bench.summary import markdown_table, rows_of
 from kiln.profiles import Probe, load_profile, shipped_profiles
 
@@ -32,6 +32,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         output_tokens=args.output_tokens,
         concurrency=args.concurrency,
         repetitions=args.repetitions,
+        passes=args.passes,
         max_retries=args.max_retries,
         tolerance_percent=args.input_size_tolerance_percent,
         warmup=not args.no_warmup,
@@ -54,21 +55,22 @@ def run_one(args: argparse.Namespace) -> int:
     if args.profile and (args.profile.endswith(".toml") or args.profile in shipped_profiles()):
         profile = load_profile(args.profile)
         probes, label = profile.probes, profile.name
-    result = asyncio.run(_run(args, settings, label, probes))
-    return _finish([result], _out_dir(args), f"kiln bench run: {label}")
+    results = asyncio.run(_run(args, settings, label, probes))
+    return _finish(results, _out_dir(args), f"kiln bench run: {label}")
 
 
 async def _run(
     args: argparse.Namespace, settings: BenchSettings, label: str, probes: tuple[Probe, ...]
-) -> RunResult:
+) -> list[RunResult]:
     client = OpenAIClient(args.base_url, args.model or "", args.api_key)
     try:
         if not args.model:
             client.model = await served_model(client)
         info = await engine_info(client)
-        result = await run_benchmark(client, settings, label, probes, not args.no_progress)
-        result.server = info
-        return result
+        results = await run_passes(client, settings, label, probes, not args.no_progress)
+        for result in results:
+            result.server = info
+        return results
     finally:
         await client.aclose()
 

@@ -122,6 +122,13 @@ def _suite_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output-tokens", type=int, default=256)
     p.add_argument("--concurrency", nargs="+", type=int, default=[1])
     p.add_argument("--repetitions", type=int, default=3)
+    p.add_argument(
+        "--passes",
+        type=int,
+        default=1,
+        help="run the whole load this many times on the same server, each pass reported on "
+        "its own row (a server that slows down over its life shows it)",
+    )
     p.add_argument("--max-retries", type=int, default=2, help="retries of a failed request")
     p.add_argument("--input-size-tolerance-percent", type=float, default=5.0)
     p.add_argument("--no-warmup", action="store_true", help="skip the small warm-up request")
