@@ -89,6 +89,7 @@ def test_bad_bench_flags_are_clear_errors(capsys):
         (["--sizes", "0"], "--sizes must be at least 1"),
         (["--concurrency", "0"], "--concurrency must be at least 1"),
         (["--passes", "0"], "--passes must be at least 1"),
+        (["--request-timeout", "0"], "--request-timeout must be above 0 seconds"),
         (["--input-size-tolerance-percent", "0"], "tolerance above 0"),
         (["--profile", "missing.toml"], "does not exist"),
     ]

@@ -80,6 +80,11 @@ class OpenAIClient:
                     return result
                 async for line in resp.aiter_lines():
                     _take_sse_line(line, result)
+        except httpx.ReadTimeout as exc:
+            result.error = (
+                f"ReadTimeout: {exc or 'no byte'} within the read timeout "
+                "(a long prefill? raise --request-timeout)"
+            )
         except httpx.HTTPError as exc:
             result.error = f"{type(exc).__name__}: {exc}"
         return result

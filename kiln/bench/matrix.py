@@ -115,7 +115,7 @@ def _run_one(
 async def _bench(
     base_url: str, profile: Profile, settings: BenchSettings, probes, show_progress: bool
 ) -> list[RunResult]:
-    client = OpenAIClient(base_url, model="")
+    client = OpenAIClient(base_url, model="", timeout=settings.request_timeout)
     try:
         client.model = await served_model(client)
         info = await engine_info(client)

@@ -33,6 +33,7 @@ class BenchSettings:
     tokenizer: str | None = None
     text_checks: bool = True  # off for random weights, whose answers are noise by design
     passes: int = 1  # the whole performance lane again on the same server, each pass reported
+    request_timeout: float = 600  # seconds a response may go without a byte (a long prefill)
 
     def check(self) -> None:
         positive = {
@@ -45,6 +46,8 @@ class BenchSettings:
         for flag, value in positive.items():
             if value < 1:
                 raise BenchError(f"{flag} must be at least 1")
+        if self.request_timeout <= 0:
+            raise BenchError("--request-timeout must be above 0 seconds")
         if self.max_retries < 0 or self.tolerance_percent <= 0:
             raise BenchError("--max-retries must be >= 0 and the tolerance above 0")
 

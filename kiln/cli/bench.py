@@ -33,6 +33,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         concurrency=args.concurrency,
         repetitions=args.repetitions,
         passes=args.passes,
+        request_timeout=args.request_timeout,
         max_retries=args.max_retries,
         tolerance_percent=args.input_size_tolerance_percent,
         warmup=not args.no_warmup,
@@ -62,7 +63,7 @@ def run_one(args: argparse.Namespace) -> int:
 async def _run(
     args: argparse.Namespace, settings: BenchSettings, label: str, probes: tuple[Probe, ...]
 ) -> list[RunResult]:
-    client = OpenAIClient(args.base_url, args.model or "", args.api_key)
+    client = OpenAIClient(args.base_url, args.model or "", args.api_key, settings.request_timeout)
     try:
         if not args.model:
             client.model = await served_model(client)

@@ -130,6 +130,13 @@ def _suite_args(p: argparse.ArgumentParser) -> None:
         "its own row (a server that slows down over its life shows it)",
     )
     p.add_argument("--max-retries", type=int, default=2, help="retries of a failed request")
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=600,
+        help="seconds a response may go without a byte before the request fails (default 600; "
+        "raise it for prefills of tens of thousands of tokens on a CPU)",
+    )
     p.add_argument("--input-size-tolerance-percent", type=float, default=5.0)
     p.add_argument("--no-warmup", action="store_true", help="skip the small warm-up request")
     p.add_argument(
