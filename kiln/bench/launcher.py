@@ -4,6 +4,7 @@ command, each in its own process with its own log and (for kiln) its own compile
 from __future__ import annotations
 
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import httpx
 
 from kiln.bench.client import BenchError
-from kiln.default_model import default_model_path
+from kiln.default_model import cached_hf_export, default_model_path
 from kiln.profiles import Profile
 
 
@@ -25,20 +26,50 @@ def free_port() -> int:
 
 def kiln_serve_command(profile: Profile, port: int, model: str | None) -> list[str]:
     cmd = [sys.executable, "-m", "kiln", "serve", "--profile", profile.path, "--port", str(port)]
-    return [*cmd, model] if model else cmd
+    path = launch_model(profile, model)
+    return [*cmd, path] if path else cmd
 
 
 def external_command(profile: Profile, port: int, model: str | None) -> list[str]:
-    """Fills {python}, {port}, {cpus} and {model} (the model's file; the embedded one by
-    default)."""
-    path = model or profile.model or default_model_path()
+    """Fills {python} (the profile's interpreter, else kiln's), {port}, {cpus} and {model} (the
+    model's file or directory; the embedded GGUF by default)."""
     values = {
-        "python": sys.executable,
+        "python": profile_python(profile) if "{python}" in "".join(profile.command) else "",
         "port": str(port),
-        "model": path,
+        "model": launch_model(profile, model) or default_model_path(),
         "cpus": str(os.cpu_count() or 1),
     }
     return [arg.format(**values) for arg in profile.command]
+
+
+def launch_model(profile: Profile, model: str | None) -> str | None:
+    """The model a launch serves: --model, else the profile's (None: the embedded GGUF). An HF
+    export the profile names is written first, once, into this process's kiln cache, and passed
+    by path: a kiln server under test runs with a fresh KILN_CACHE_DIR of its own."""
+    if model:
+        return model
+    if profile.export_from:
+        return cached_hf_export(profile.export_from)
+    return profile.model
+
+
+def profile_python(profile: Profile) -> str:
+    """The profile's `python` with ${VAR:-default}, $VAR and ~ expanded (kiln's interpreter if
+    it names none), checked before the launch: a missing environment is a setup step to name,
+    not a boot failure to read from a log."""
+    if profile.python is None:
+        return sys.executable
+    with_defaults = re.sub(
+        r"\$\{(\w+):-([^}]*)\}", lambda m: os.environ.get(m[1]) or m[2], profile.python
+    )
+    path = os.path.expanduser(os.path.expandvars(with_defaults))
+    if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+        raise BenchError(
+            f"profile {profile.name!r}: python = {profile.python!r} is {path!r}, which is not an "
+            "executable file: create that environment (docs/benchmark.md) or set the variable "
+            "the profile names to an interpreter that has the engine installed"
+        )
+    return path
 
 
 @dataclass

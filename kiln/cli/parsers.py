@@ -9,6 +9,7 @@ import os
 import re
 
 from kiln.cli.engine_args import add_engine_args, add_sampling_args, add_server_args
+from kiln.default_model import HF_DTYPES
 
 
 def parse_size(text: str) -> int:
@@ -30,6 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     _serve_parser(sub)
     _bench_parser(sub)
     _cache_parser(sub)
+    _export_hf_parser(sub)
     return parser
 
 
@@ -166,3 +168,22 @@ def _cache_parser(sub) -> None:
         help="clear only the entries this installation can never load (built by another kiln "
         "source or torch version, or corrupted)",
     )
+
+
+def _export_hf_parser(sub) -> None:
+    export = sub.add_parser(
+        "export-hf",
+        help="write a GGUF as an HF directory (safetensors + tokenizer), e.g. for vLLM",
+        description="kiln export-hf [MODEL] [OUTPUT_DIR]: MODEL is a .gguf file (default: the "
+        "embedded model; a single path is MODEL if it ends in .gguf, else OUTPUT_DIR); without "
+        "OUTPUT_DIR the directory goes to kiln's cache (reused, and what a profile's "
+        'model = "default-hf" names). Prints the directory\'s path.',
+    )
+    # one path is OUTPUT_DIR (export_hf.py sorts them out): argparse fills MODEL first
+    export.add_argument("model", nargs="?", metavar="MODEL")
+    export.add_argument("output", nargs="?", metavar="OUTPUT_DIR")
+    export.add_argument(
+        "--dtype", default="bf16", choices=list(HF_DTYPES), help="the weights' dtype (default bf16)"
+    )
+    # the command's module is kiln.cli.export_hf (main.py imports kiln.cli.<command>)
+    export.set_defaults(command="export_hf")

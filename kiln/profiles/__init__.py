@@ -1,9 +1,11 @@
 """Launcher profiles: TOML files that fix every serving parameter of a configuration, so two
 benchmark rows differ in exactly the settings their profiles differ in.
 
-A profile names a model (`"default"` is the embedded one), a `[serve]` table with `kiln serve`'s
-option names, and the `[[probes]]` that model is known to answer. A profile whose `engine` is
-`"external"` launches another server (llama.cpp, vLLM) from its `command` instead.
+A profile names a model (`"default"` is the embedded GGUF, `"default-hf"` the same model as a
+bf16 HF directory in kiln's cache), a `[serve]` table with `kiln serve`'s option names, and the
+`[[probes]]` that model is known to answer. A profile whose `engine` is `"external"` launches
+another server (llama.cpp, vLLM) from its `command` instead, with `python` naming the
+interpreter its {python} stands for when that is not kiln's.
 Shipped profiles live beside this file; `kiln serve --profile NAME` and `kiln bench` accept
 either a shipped name or a path to a .toml file."""
 
@@ -18,6 +20,7 @@ from typing import Any
 
 from kiln.config.compilation import CompilationConfig
 from kiln.config.options import engine_options, server_options
+from kiln.default_model import EMBEDDED_HF, default_model_path, embedded_hf_dir
 from kiln.errors import ConfigError, KilnError
 
 if sys.version_info >= (3, 11):
@@ -50,6 +53,11 @@ class Profile:
     engine: str = "kiln"  # or "external"
     serve: dict[str, Any] = field(default_factory=dict)
     command: tuple[str, ...] = ()  # external engines: argv with {model} {port} {python}
+    # external engines: the interpreter {python} names ($VARS, ${VAR:-default}, ~ expanded when
+    # the command is filled); None: kiln's own
+    python: str | None = None
+    # the GGUF that `model` (an HF directory in kiln's cache) is exported from before a launch
+    export_from: str | None = None
     probes: tuple[Probe, ...] = ()
     # random weights answer noise: the bench skips its checks of the answers' text for it
     random_weights: bool = False
@@ -96,7 +104,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
     known = {"name", "description", "model", "engine", "serve", "command", "probes",
-             "random_weights"}  # fmt: skip
+             "random_weights", "python"}  # fmt: skip
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError(f"profile {path}: unknown keys {unknown}; known: {sorted(known)}")
@@ -107,17 +115,31 @@ def _profile_from_dict(data: dict[str, Any], path: str) -> Profile:
     if engine == "external" and not command:
         raise ConfigError(f"profile {path}: an external engine needs a `command` list")
     model = data.get("model", "default")
+    python = data.get("python")
+    if python is not None and (engine != "external" or not isinstance(python, str)):
+        raise ConfigError(f"profile {path}: python is a path string, for external engines only")
+    export_from = default_model_path() if model == EMBEDDED_HF else None
     return Profile(
         name=str(data.get("name") or os.path.basename(path)[:-5]),
         path=os.path.abspath(path),
         description=str(data.get("description", "")),
-        model=None if model == "default" else str(model),
+        model=_model_path(str(model)),
         engine=engine,
         serve=_check_serve(data.get("serve", {}), path) if engine == "kiln" else {},
         command=command,
         probes=tuple(_probe(p, path) for p in data.get("probes", ())),
         random_weights=_flag(data, "random_weights", path),
+        python=python,
+        export_from=export_from,
     )
+
+
+def _model_path(model: str) -> str | None:
+    """None for the embedded GGUF; "default-hf" is where its HF export lives (written by the
+    bench before a launch, or by `kiln export-hf`), a cheap path that loading does not write."""
+    if model == "default":
+        return None
+    return embedded_hf_dir() if model == EMBEDDED_HF else model
 
 
 def _flag(data: dict[str, Any], key: str, path: str) -> bool:
