@@ -2,7 +2,8 @@
 run: prefill throughput of one long prompt with the longest step (how long every running decode
 would stall), and 8 concurrent prompts with output throughput and TTFT.
 
-    python benchmarks/prefill_chunks.py                   # embedded model, budgets 256..2048"""
+    python benchmarks/prefill_chunks.py                   # embedded model, budgets 256..2048
+    python benchmarks/prefill_chunks.py --model DIR --dtype bfloat16 --mode 3 --budgets 256 512"""
 
 from __future__ import annotations
 
@@ -45,6 +46,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=1024, help="concurrent prompt length")
     parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--mode", type=int, default=0, help="compilation mode (0 or 3)")
     args = parser.parse_args()
     head = [
         "budget",
@@ -61,6 +64,8 @@ def main() -> None:
             max_num_seqs=args.concurrency,
             max_num_batched_tokens=budget,
             kv_cache_memory="1GiB",
+            dtype=args.dtype,
+            compilation_config={"mode": args.mode},
         )
         llm.generate({"prompt_token_ids": [5] * 40}, SamplingParams(max_tokens=1))  # warm-up
         rate, stall = long_prompt(llm, args.long)

@@ -5,7 +5,7 @@ made of; its time grows with the rows, so a prefill chunk of hundreds of rows ru
 dequantized to bf16 instead, and dequantizing every weight for every chunk costs about as much
 as the chunk's matmuls (docs/performance.md, "Packed weights under concurrency"). A dense copy
 made once at load removes that cost for two bytes per weight more memory (the embedded model:
-270 MB beside its 67 MB of codes). Only half-precision models on the CPU take copies: a float32
+257 MiB beside its 97 MiB of planes). Only half-precision models on the CPU take copies: a float32
 model's rows stay on the int4 kernel, each row computed alone, so its results do not depend on
 the batch."""
 
