@@ -90,3 +90,18 @@ def test_compiled_bf16_packed_model_with_copies_matches_eager(tiny_models, packe
     assert sum(_copies(compiled)) == 9
     _assert_matches_eager(eager, compiled, rtol=0, atol=4 * BF16_ULP)
     assert compiled.runner.compile_backend.stats.trace in ("traced and saved", "loaded")
+
+
+@needs_bf16_onednn
+def test_auto_short_of_memory_warns_and_keeps_none(tiny_models, packed_gguf, monkeypatch, caplog):
+    import kiln.boot.prefill_weights as prefill_weights
+
+    monkeypatch.setattr(prefill_weights, "available_memory", lambda device: 1 << 20)  # 1 MiB free
+    engine = make_engine(packed_gguf, dtype="bfloat16", tokenizer=tiny_models["llama"])
+    assert not any(_copies(engine))
+    assert "Remedy: --prefill-weights dense" in caplog.text
+    engine.close()
+    dense = make_engine(packed_gguf, dtype="bfloat16", tokenizer=tiny_models["llama"],
+                        prefill_weights="dense")  # fmt: skip
+    assert sum(_copies(dense)) == 9  # dense asks no memory question
+    dense.close()

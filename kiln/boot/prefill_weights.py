@@ -52,7 +52,7 @@ def keep_dense_copies(
         return DenseCopies()
     size = torch.empty((), dtype=dtype).element_size()
     need = sum(m.out_features * m.in_features * size for m in layers)
-    free = available_memory(device)
+    free = available_memory(device) if policy == "auto" else 0
     if policy == "auto" and need > AUTO_MEMORY_FRACTION * free:
         logger.warning(
             "packed weights: no dense copies for prefill chunks (%.1f MiB would take more than "
