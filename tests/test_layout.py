@@ -30,7 +30,7 @@ LAYERS = [
 # the benchmark is an HTTP client of any server: it may use its profiles, never the engine
 CLIENT = {
     "kiln.bench": {"kiln.bench", "kiln.profiles", "kiln.errors", "kiln.default_model"},
-    "kiln.profiles": {"kiln.profiles", "kiln.config", "kiln.errors"},
+    "kiln.profiles": {"kiln.profiles", "kiln.config", "kiln.errors", "kiln.default_model"},
 }
 
 
