@@ -23,10 +23,10 @@ needs_bf16_onednn = pytest.mark.skipif(
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
 def test_dense_copy_matches_the_dequantized_matmul(kind, rows):
-    n, k = 100, 512  # 100 rows: the packed planes are padded to 128, the copy is not
+    n, k = 100, 512  # 100 rows: the planes and the copy are padded to 128
     ref_w, planes = _gguf_tensor(kind, n, k)
     with_copy, without = PackedInt4(planes, CPU), PackedInt4(planes, CPU)
-    with_copy.keep_dense_copy(prepack_for_cpu(with_copy.dequantize().to(torch.bfloat16)))
+    with_copy.keep_dense_copy(prepack_for_cpu(with_copy.dense_weight(torch.bfloat16)))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = with_copy(x)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16

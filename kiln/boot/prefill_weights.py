@@ -63,7 +63,7 @@ def keep_dense_copies(
         )
         return DenseCopies()
     for packed in layers:
-        packed.keep_dense_copy(prepack_for_cpu(packed.dequantize().to(dtype)))
+        packed.keep_dense_copy(prepack_for_cpu(packed.dense_weight(dtype)))
     logger.info(
         "packed weights: dense %s copies of %d tensors for batches of 16+ rows (%.1f MiB; "
         "--prefill-weights packed saves them)",

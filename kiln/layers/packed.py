@@ -118,8 +118,15 @@ class PackedInt4(nn.Module):
         # the compile cache's trace cannot save an oneDNN tensor held as a buffer
         self.register_parameter("dense", None)
 
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """This weight dequantized to `dtype`, [N padded, in]: padded with zero rows as the
+        planes are, so the op's two paths return the same width."""
+        w = self.dequantize().to(dtype)
+        pad = self.scales_zeros0.shape[1] - w.shape[0]
+        return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
+
     def keep_dense_copy(self, dense: torch.Tensor) -> None:
-        """`dense`: this weight [out, in] prepacked for oneDNN in the model's dtype."""
+        """`dense`: `dense_weight` prepacked for oneDNN."""
         self.dense = nn.Parameter(dense, requires_grad=False)
 
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -133,8 +140,11 @@ class PackedInt4(nn.Module):
         rows = x.reshape(-1, shape[-1])
         packed, scales_zeros = self.planes()
         if rows.device.type == "cpu" and self.dense is not None:
-            y = torch.ops.kiln.int4_or_dense_mm(rows, packed, scales_zeros, self.dense,
-                                                self.group_size)  # fmt: skip
+            second = len(packed) == 2
+            y = torch.ops.kiln.int4_or_dense_mm(
+                rows, packed[0], scales_zeros[0], packed[1] if second else None,
+                scales_zeros[1] if second else None, self.dense, self.group_size,
+            )  # fmt: skip
         elif rows.device.type == "cpu":
             y = torch.ops.kiln.int4_mm(rows, packed[0], scales_zeros[0], self.group_size)
             if len(packed) == 2:
@@ -299,33 +309,35 @@ torch.library.register_fake(
 
 def _int4_or_dense_mm(
     rows: torch.Tensor,
-    packed: list[torch.Tensor],
-    scales_zeros: list[torch.Tensor],
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    packed1: torch.Tensor | None,
+    scales_zeros1: torch.Tensor | None,
     dense: torch.Tensor,
     group_size: int,
 ) -> torch.Tensor:
-    """CPU, [R, K] rows -> [R, out] in the dense copy's dtype: the int4 planes below
-    DENSE_MIN_ROWS rows, the dense copy (oneDNN) from there."""
-    rows = rows.to(dense.dtype)
+    """CPU, [R, K] rows -> [R, N padded] in the dense copy's dtype: the int4 planes (a second
+    one for Q8_0) below DENSE_MIN_ROWS rows, the dense copy (oneDNN, padded like the planes)
+    from there. A decode step calls it for every linear, so it does no more than it must."""
     if rows.shape[0] >= DENSE_MIN_ROWS:
-        return torch.ops.mkldnn._linear_pointwise(rows, dense, None, "none", [], "")
+        return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     half = rows.to(torch.bfloat16)
-    y = functools.reduce(torch.add, (
-        mm(half, p, group_size, sz) for p, sz in zip(packed, scales_zeros)
-    ))  # fmt: skip
-    return y[:, : dense.shape[0]].to(dense.dtype)
+    y = mm(half, packed, group_size, scales_zeros)
+    if packed1 is not None:
+        y = y + mm(half, packed1, group_size, scales_zeros1)
+    return y.to(dense.dtype)
 
 
 _LIB.define(
-    "int4_or_dense_mm(Tensor rows, Tensor[] packed, Tensor[] scales_zeros, Tensor dense, "
-    "int group_size) -> Tensor"
+    "int4_or_dense_mm(Tensor rows, Tensor packed, Tensor scales_zeros, Tensor? packed1, "
+    "Tensor? scales_zeros1, Tensor dense, int group_size) -> Tensor"
 )
 _LIB.impl("int4_or_dense_mm", _int4_or_dense_mm, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "kiln::int4_or_dense_mm",
-    lambda rows, packed, scales_zeros, dense, group_size: rows.new_empty(
-        rows.shape[0], dense.shape[0], dtype=dense.dtype
+    lambda rows, packed, scales_zeros, packed1, scales_zeros1, dense, group_size: rows.new_empty(
+        rows.shape[0], scales_zeros.shape[1], dtype=dense.dtype
     ),
     lib=_LIB,
 )
