@@ -12,7 +12,6 @@ the batch."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -21,7 +20,7 @@ from kiln.boot.kv_cache import available_memory
 from kiln.errors import ConfigError
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear, onednn_runs, prepack_for_cpu
-from kiln.layers.packed import PackedInt4
+from kiln.layers.packed import DENSE_MIN_ROWS, PackedInt4
 
 logger = logging.getLogger(__name__)
 
@@ -29,27 +28,21 @@ POLICIES = ("auto", "dense", "packed")
 AUTO_MEMORY_FRACTION = 0.25  # auto keeps the copies when they take at most this much of the free
 
 
-@dataclass
-class DenseCopies:
-    tensors: int = 0
-    bytes: int = 0
-
-
 def keep_dense_copies(
     model: nn.Module, dtype: torch.dtype, device: torch.device, policy: str
-) -> DenseCopies:
+) -> None:
     """Give every packed linear of `model` (and a packed embedding that is also its LM head)
     a dense oneDNN copy in `dtype`, as `policy` says: auto (when they fit in a quarter of the
     free host memory, else a warning naming the remedy), dense (always, an error where no copy
     can run), packed (never)."""
     layers = _packed_products(model)
     if policy == "packed" or not layers:
-        return DenseCopies()
+        return
     why_not = _unsupported(dtype, device)
     if why_not is not None:
         if policy == "dense":
             raise ConfigError(f"--prefill-weights dense: {why_not}; use auto or packed")
-        return DenseCopies()
+        return
     size = torch.empty((), dtype=dtype).element_size()
     need = sum(m.out_features * m.in_features * size for m in layers)
     free = available_memory(device) if policy == "auto" else 0
@@ -57,21 +50,21 @@ def keep_dense_copies(
         logger.warning(
             "packed weights: no dense copies for prefill chunks (%.1f MiB would take more than "
             "a quarter of the %.1f MiB free), so every chunk dequantizes the weights it uses "
-            "(prefill about 2x slower). Remedy: --prefill-weights dense to keep them anyway",
+            "(prefill about 1.3x slower). Remedy: --prefill-weights dense to keep them anyway",
             need / 2**20,
             free / 2**20,
         )
-        return DenseCopies()
+        return
     for packed in layers:
         packed.keep_dense_copy(prepack_for_cpu(packed.dense_weight(dtype)))
     logger.info(
-        "packed weights: dense %s copies of %d tensors for batches of 16+ rows (%.1f MiB; "
+        "packed weights: dense %s copies of %d tensors for batches of %d+ rows (%.1f MiB; "
         "--prefill-weights packed saves them)",
         str(dtype).removeprefix("torch."),
+        DENSE_MIN_ROWS,
         len(layers),
         need / 2**20,
     )
-    return DenseCopies(len(layers), need)
 
 
 def _packed_products(model: nn.Module) -> list[PackedInt4]:
