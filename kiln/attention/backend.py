@@ -109,6 +109,11 @@ class AttentionBackend(ABC):
     name: str
     graph_support: GraphSupport
     splitting_ops: tuple[str, ...] = ()  # the registered ops a compiled graph splits at
+    # Speculative verification lays each position out as a decode row of its own, where the
+    # backend writes a step's keys before it reads any: the kernels of a decode step, so a
+    # verified position gets the logits a decode step would (the CPU backends). False: one
+    # row of 1 + k tokens per sequence, for a kernel that writes and reads in one launch.
+    drafts_as_decode_rows: bool = False
 
     @abstractmethod
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:

@@ -289,6 +289,7 @@ class CpuPagedMetadataBuilder(MetadataBuilder):
 class CpuPagedAttentionBackend(AttentionBackend):
     name = "cpu"
     graph_support = GraphSupport.NEVER
+    drafts_as_decode_rows = True
     splitting_ops = ("kiln::cpu_paged_attention",)
 
     def __init__(

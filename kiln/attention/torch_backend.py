@@ -207,6 +207,7 @@ class TorchPagedMetadataBuilder(MetadataBuilder):
 class TorchPagedAttentionBackend(AttentionBackend):
     name = "torch_paged"
     graph_support = GraphSupport.NEVER
+    drafts_as_decode_rows = True
     splitting_ops = ("kiln::torch_paged_attention",)
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:

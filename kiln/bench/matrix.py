@@ -120,8 +120,11 @@ async def _bench(
         client.model = await served_model(client)
         info = await engine_info(client)
         results = await run_passes(client, settings, profile.name, probes, show_progress)
+        spec = spec_decode_delta(
+            info.get("spec_decode"), (await engine_info(client)).get("spec_decode")
+        )
         for result in results:
-            result.server = dict(info)
+            result.server = dict(info) | ({"spec_decode": spec} if spec else {})
         return results
     finally:
         await client.aclose()
@@ -141,7 +144,32 @@ async def engine_info(client: OpenAIClient) -> dict[str, Any]:
     if not data:
         return {}
     keys = ("graph_plan", "boot", "capture", "attention_backend", "device", "dtype")
-    return {k: data[k] for k in keys if k in data}
+    info = {k: data[k] for k in keys if k in data}
+    spec = (data.get("stats") or {}).get("spec_decode")
+    return info | ({"spec_decode": spec} if spec else {})
+
+
+def spec_decode_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """The speculative-decoding counters of the benchmark's own requests: `after` less
+    `before` (kiln's /v1/engine stats; None for a server without speculation)."""
+    if not after:
+        return None
+    before = before or {}
+    k = len(after["accepted_per_position"])
+    drafts, tokens, accepted = (
+        after[key] - before.get(key, 0)
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")
+    )
+    earlier = before.get("accepted_per_position") or [0] * k
+    per_pos = [a - b for a, b in zip(after["accepted_per_position"], earlier)]
+    return {
+        "num_drafts": drafts,
+        "num_draft_tokens": tokens,
+        "num_accepted_tokens": accepted,
+        "acceptance_rate": accepted / tokens if tokens else 0.0,
+        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
+        "acceptance_per_position": [n / drafts if drafts else 0.0 for n in per_pos],
+    }
 
 
 def _safe(name: str) -> str:

@@ -131,6 +131,14 @@ def _run_notes(run: RunResult) -> list[str]:
             f"- CUDA graphs: {capture.get('graphs', 0)} captured in "
             f"{capture.get('seconds', 0):.1f} s, {capture.get('memory_bytes', 0) / 2**30:.2f} GiB"
         )
+    spec = run.server.get("spec_decode")
+    if spec:
+        per_pos = ", ".join(f"{a:.0%}" for a in spec["acceptance_per_position"])
+        lines.append(
+            f"- speculative decoding: acceptance {spec['acceptance_rate']:.1%} of "
+            f"{spec['num_draft_tokens']} draft tokens, mean accepted length "
+            f"{spec['mean_accepted_length']:.2f}, per position {per_pos}"
+        )
     if run.count_method:
         lines.append(f"- prompt tokens counted by: {run.count_method}")
     if any(t.record.usage_source == "client" for t in run.trials):

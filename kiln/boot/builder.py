@@ -45,6 +45,7 @@ from kiln.runner.input_buffers import InputBuffers
 from kiln.runner.model_runner import ModelRunner, Sampling
 from kiln.runner.padding import pads_eager_steps
 from kiln.sampling_params import SamplingParams
+from kiln.spec.speculator import check_speculation, verified_tokens_per_seq
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     dtype, phases, t0 = torch_dtype(config), BootPhases(config.boot_timeout), time.monotonic()
     with phases.phase("load_model"):
         source = open_model(config.model)
+        check_speculation(config.speculative, source.config)
         tokenizer = (
             Tokenizer.from_directory(config.tokenizer, source.config.eos_token_ids)
             if config.tokenizer
@@ -165,9 +167,8 @@ def _runner(
 ) -> ModelRunner:
     sched, block_size = config.scheduler, config.cache.block_size
     max_blocks = -(-max_model_len // block_size)
-    buffers = InputBuffers(
-        sched.max_num_batched_tokens, sched.max_num_seqs, max_blocks, block_size, device
-    )
+    max_rows = sched.max_num_seqs * verified_tokens_per_seq(config.speculative)
+    buffers = InputBuffers(sched.max_num_batched_tokens, max_rows, max_blocks, block_size, device)
     sampling = Sampling(model.config.vocab_size, tokenizer.eos_token_ids, config.seed)
     if entry is None:
         trace_entry, no_trace = None, "mode 0"

@@ -27,6 +27,7 @@ from kiln.errors import ConfigError
 from kiln.layers.gated_deltanet import GDN_GRAPH_SUPPORT, GDN_OP
 from kiln.loader import ModelSource, open_model
 from kiln.models.config import ModelConfig
+from kiln.spec.speculator import check_speculation, verified_tokens_per_seq
 
 logger = logging.getLogger(__name__)
 
@@ -104,12 +105,16 @@ def resolve_plan(
     """The graph plan, logged: every change it made is a WARNING (an error when strict)."""
     check_splitting_ops(config.compilation.splitting_ops or (), (*ATTENTION_OPS, GDN_OP))
     sched = config.scheduler
+    # a verification step's rows: one per position where the backend takes them so
+    per_seq = verified_tokens_per_seq(config.speculative)
+    query_len = 1 if backend.drafts_as_decode_rows else per_seq
     plan = resolve_graph_plan(
         config.compilation,
         device_caps(device, graph_backend),
         mixer_caps(backend, model),
         max_num_batched_tokens=sched.max_num_batched_tokens,
-        max_num_seqs=sched.max_num_seqs,
+        max_num_seqs=sched.max_num_seqs * (per_seq // query_len),
+        uniform_decode_query_len=query_len,
         enforce_eager=config.enforce_eager,
         strict=config.strict_graphs,
     )
@@ -130,6 +135,7 @@ class EnginePreview:
 def preview_engine(config: EngineConfig) -> EnginePreview:
     config, device = for_device(config)
     source = open_model(config.model)
+    check_speculation(config.speculative, source.config)
     backend = select_attention(config, source.config, device)
     max_model_len = resolve_max_model_len(config, source.config)
     plan = resolve_plan(config, backend, device, None, source.config)

@@ -93,7 +93,18 @@ def _config_rows(
         ("max_num_batched_tokens", str(config.scheduler.max_num_batched_tokens)),
         ("prefix caching", str(config.cache.enable_prefix_caching)),
         ("attention backend", f"{backend} (CUDA graphs: {support})"),
+        ("speculative decoding", _speculative(config)),
     ]
+
+
+def _speculative(config: EngineConfig) -> str:
+    spec = config.speculative
+    if spec is None:
+        return "off (--speculative-config)"
+    how = f"{spec.method}, {spec.num_speculative_tokens} tokens"
+    if spec.method == "ngram":
+        how += f", suffixes of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
+    return f"{how}; off in steps of more than {spec.batch_size_limit} sequences"
 
 
 def _boot_rows(engine: LLMEngine) -> list[tuple[str, str]]:

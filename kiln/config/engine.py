@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kiln.config.compilation import CompilationConfig
+from kiln.config.speculative import SpeculativeConfig
 from kiln.errors import ConfigError
 
 _SIZE_UNITS = {
@@ -212,6 +213,19 @@ class EngineConfig:
             flags=("--compilation-config", "-O"),
         ),
     )
+    speculative: SpeculativeConfig | None = field(
+        default=None,
+        metadata=option(
+            (dict, str),
+            'JSON, vLLM\'s fields: \'{"method": "ngram", "num_speculative_tokens": 3, '
+            '"prompt_lookup_min": 2, "prompt_lookup_max": 5}\' (drafts looked up in the '
+            'request\'s own tokens), \'{"method": "draft_model", "model": PATH, '
+            '"num_speculative_tokens": 3}\'; "disable_by_batch_size": N verifies no drafts in '
+            "steps of more than N sequences (default 4). Greedy output is unchanged; sampled "
+            "output keeps the model's distribution",
+            name="speculative_config",
+        ),
+    )
     enforce_eager: bool = field(
         default=False, metadata=option(bool, "no torch.compile, no CUDA graphs")
     )
@@ -251,6 +265,8 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        if not isinstance(self.speculative, (SpeculativeConfig, type(None))):
+            object.__setattr__(self, "speculative", SpeculativeConfig.from_json(self.speculative))
         if self.dtype not in DTYPES:
             raise ConfigError(f"unknown dtype {self.dtype!r}; choose one of {sorted(DTYPES)}")
         if self.boot_timeout is not None and self.boot_timeout < 0:

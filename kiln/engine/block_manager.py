@@ -154,7 +154,9 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
-        full = min(seq.num_computed_tokens // bs, len(seq.block_table))
+        # verified drafts are computed before they are appended to token_ids
+        known = min(seq.num_computed_tokens, seq.num_tokens)
+        full = min(known // bs, len(seq.block_table))
         if full <= seq.num_hashed_blocks:
             return
         hashes = self._hash_chain(seq, full)
@@ -165,6 +167,17 @@ class BlockManager:
                 block.token_ids = tuple(seq.token_ids[i * bs : (i + 1) * bs])
                 self.cached[hashes[i]] = block.block_id
         seq.num_hashed_blocks = full
+
+    def trim(self, seq: Sequence) -> None:
+        """Give back the blocks past the sequence's computed tokens: those only rejected drafts
+        wrote into. Their slots are free again; nothing hashed them."""
+        keep = max(self.blocks_needed(seq.num_computed_tokens), seq.num_hashed_blocks)
+        while len(seq.block_table) > keep:
+            block_id = seq.block_table.pop()
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free[block_id] = None
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds (and the hit statistics)."""

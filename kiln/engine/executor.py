@@ -16,12 +16,24 @@ from kiln.engine.sequence import Sequence
 
 @dataclass
 class SampledTokens:
-    """One token for each sequence that reached the end of its known tokens this step (a
-    prefill chunk that does not finish its prompt samples nothing)."""
+    """The new tokens of each sequence that reached the end of its known tokens this step (a
+    prefill chunk that does not finish its prompt samples nothing): one, or with speculative
+    decoding its accepted drafts and one token of the target's after them."""
 
     seqs: list[Sequence]
-    token_ids: list[int]
-    logprobs: torch.Tensor | None  # [len(seqs), V] raw log-softmax, when any row asked for it
+    token_ids: list[list[int]]
+    logprobs: torch.Tensor | None  # [rows, V] raw log-softmax, when any row asked for it
+    first_rows: list[int] | None = None  # each sequence's first row of logprobs (None: its index)
+    num_drafts: list[int] | None = None  # drafts each sequence verified (None: no speculation)
+
+    def logprob_row(self, i: int, j: int) -> torch.Tensor | None:
+        """The log-softmax row of sequence i's token j."""
+        if self.logprobs is None:
+            return None
+        return self.logprobs[(self.first_rows[i] if self.first_rows else i) + j]
+
+    def num_rejected(self, i: int) -> int:
+        return self.num_drafts[i] + 1 - len(self.token_ids[i]) if self.num_drafts else 0
 
 
 class ModelExecutor(Protocol):

@@ -13,14 +13,14 @@ import torch
 
 from kiln.compile_cache.entry import CompileCacheEntry
 from kiln.config.engine import EngineConfig
-from kiln.config.graph_plan import GraphPlan
+from kiln.config.graph_plan import GraphPlan, RuntimeMode
 from kiln.cudagraphs.graph_backend import CaptureStats
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.executor import ModelExecutor, SampledTokens
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, new_sequences, validate_prompt
 from kiln.engine.scheduler import Scheduler
-from kiln.engine.sequence import SequenceCounter
+from kiln.engine.sequence import Sequence, SequenceCounter
 from kiln.engine.state_checkpoints import StateCheckpoints, num_state_checkpoints
 from kiln.engine.state_slots import StateSlots
 from kiln.errors import EngineClosedError, InvalidRequestError
@@ -28,6 +28,7 @@ from kiln.loader.tokenizer import Tokenizer
 from kiln.models.config import ModelConfig
 from kiln.outputs import RequestMetrics, RequestOutput
 from kiln.sampling_params import SamplingParams
+from kiln.spec.speculator import Speculator
 
 
 @dataclass
@@ -42,6 +43,7 @@ class EngineStats:
     prefix_cache_hit_tokens: int
     num_steps: int
     graphs: dict = field(default_factory=dict)  # runtime-mode step counts, graph misses
+    spec_decode: dict | None = None  # SpecDecodeStats.to_dict(), when speculating
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -92,6 +94,12 @@ class LLMEngine:
         self.closed = False
         self.seq_ids = SequenceCounter()
         self.num_steps = 0
+        spec = config.speculative
+        self.speculator = (
+            Speculator(spec, max_model_len, self.plan.decode_mode is not RuntimeMode.NONE)
+            if spec is not None
+            else None
+        )
 
     @property
     def plan(self) -> GraphPlan:
@@ -171,14 +179,21 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        if self.speculator is not None:
+            self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.blocks.plan_checkpoint(seq, n)
+        start = time.perf_counter()
         sampled = self.runner.execute(batch)
+        rejected = self._rejected(sampled, time.perf_counter() - start)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n
+            seq.num_computed_tokens += n - rejected.get(seq, 0)
+            if seq.spec_token_ids:
+                seq.spec_token_ids = []
+                self.blocks.trim(seq)
             self.blocks.register_computed_blocks(seq)
         self.num_steps += 1
         self._append(sampled)
@@ -190,18 +205,32 @@ class LLMEngine:
                 del self.requests[request_id]
         return outputs
 
+    def _rejected(self, sampled: SampledTokens, seconds: float) -> dict[Sequence, int]:
+        """The drafts each sequence lost (their KV is rolled back), and the statistics."""
+        if sampled.num_drafts is None:
+            return {}
+        lost = [sampled.num_rejected(i) for i in range(len(sampled.seqs))]
+        self.speculator.record(sampled.num_drafts, lost, seconds)
+        return dict(zip(sampled.seqs, lost))
+
     def _append(self, sampled: SampledTokens) -> None:
         now = time.monotonic()
-        for row, (seq, token) in enumerate(zip(sampled.seqs, sampled.token_ids)):
-            logprob_row = sampled.logprobs[row] if sampled.logprobs is not None else None
-            if self.output_processor.append(seq, token, logprob_row, now):
-                self.scheduler.finish(seq)
+        for i, (seq, tokens) in enumerate(zip(sampled.seqs, sampled.token_ids)):
+            for j, token in enumerate(tokens):
+                if self.output_processor.append(seq, token, sampled.logprob_row(i, j), now):
+                    self.scheduler.finish(seq)
+                    break
+            else:
+                if len(tokens) > 1:  # the accepted drafts' full blocks
+                    self.blocks.register_computed_blocks(seq)
 
     def forget_warm_up(self) -> None:
         """After the boot's warm-up requests: an empty prefix cache, no steps counted."""
         self.blocks.reset_prefix_cache()
         self.runner.reset_counters()
         self.num_steps = 0
+        if self.speculator is not None:
+            self.speculator.reset()
 
     # ---- what it reports ------------------------------------------------------------------
 
@@ -218,6 +247,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=b.stats.hit_tokens,
             num_steps=self.num_steps,
             graphs=self.runner.graph_stats(),
+            spec_decode=self.speculator.stats.to_dict() if self.speculator else None,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -237,6 +267,7 @@ class LLMEngine:
                 "graph_support": boot.attention_graph_support,
             },
             "graph_plan": self.plan.to_dict(),
+            "speculative_config": spec.to_dict() if (spec := self.config.speculative) else None,
             "compile_cache": boot.compile_cache.to_dict() if boot.compile_cache else None,
             "compilation": self.runner.compile_stats(),
             "boot": {**{f"{k}_s": v for k, v in boot.phases_s.items()}, "boot_s": boot.boot_s},

@@ -1,10 +1,10 @@
 """Continuous batching with chunked prefill and preemption by recompute.
 
 Every step gets a token budget. Running sequences go first, oldest first: a decode takes one
-token, an unfinished prefill takes the next chunk. Waiting sequences are admitted with what
-remains. When the KV cache runs out, the newest running sequence is preempted: its blocks are
-released and it waits at the front of the queue to be recomputed (its full blocks usually
-come back as prefix-cache hits)."""
+token (and its speculative drafts, those that fit), an unfinished prefill takes the next
+chunk. Waiting sequences are admitted with what remains. When the KV cache runs out, the
+newest running sequence is preempted: its blocks are released and it waits at the front of
+the queue to be recomputed (its full blocks usually come back as prefix-cache hits)."""
 
 from __future__ import annotations
 
@@ -54,7 +54,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens, budget)
+            n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
+            if not self.blocks.can_append(seq, n):  # drafts never cost another a preemption
+                n = min(seq.num_uncomputed_tokens, budget)
+            del seq.spec_token_ids[max(0, n - seq.num_uncomputed_tokens) :]  # those that fit
             while not self.blocks.can_append(seq, n):
                 preempted = True
                 self._preempt(self.running.pop())
@@ -89,6 +92,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.release(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -102,4 +106,5 @@ class Scheduler:
             self.waiting.remove(seq)
         if seq.block_table:
             self.blocks.release(seq)
+        seq.spec_token_ids = []
         seq.status = SequenceStatus.FINISHED

@@ -41,6 +41,8 @@ class Sequence:
     checkpoint_at: int = -1
     checkpoint_entry: int = -1
     block_hashes: list[int] = field(default_factory=list)
+    # speculative decoding: tokens proposed after token_ids, verified in the next step
+    spec_token_ids: list[int] = field(default_factory=list)
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     logprobs: list[Logprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0

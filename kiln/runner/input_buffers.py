@@ -34,6 +34,9 @@ class InputBuffers:
         block_size: int,
         device: torch.device,
     ) -> None:
+        """`max_seqs`: rows of a step (with speculative decoding, its sequences times the
+        1 + k positions each verifies)."""
+
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
 

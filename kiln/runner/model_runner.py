@@ -28,6 +28,7 @@ from kiln.models.interface import CausalModel
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
+from kiln.spec.verify import verify
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class StepInputs:
     query_lens: list[int]  # per request, in layout order
     sample_rows: torch.Tensor  # index of the last token of each sampling sequence
     sampling_seqs: list[Sequence]
+    drafts: list[list[int]]  # per sampling sequence: the speculative tokens it verifies
 
 
 @dataclass(frozen=True)
@@ -178,35 +180,74 @@ class ModelRunner:
         if not seqs:
             return SampledTokens([], [], None)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])
+        if any(inputs.drafts):
+            return self._verify(logits, seqs, inputs.drafts)
         if self.logits_observer is not None:
             self.logits_observer(seqs, logits)
         rows = SamplingBatch.build(seqs, self.sampling.vocab_size, self.device)
         out = sample(logits, rows, self.sampling.eos_token_ids, self.generator)
-        return SampledTokens(seqs, out.token_ids, out.logprobs)
+        return SampledTokens(seqs, [[t] for t in out.token_ids], out.logprobs)
+
+    def _verify(
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
+    ) -> SampledTokens:
+        done = verify(logits, seqs, drafts, self.sampling.eos_token_ids, self.generator)
+        if self.logits_observer is not None:  # the rows the kept tokens came from
+            kept = [
+                (s, first + j)
+                for s, first, ids in zip(seqs, done.first_rows, done.token_ids)
+                for j in range(len(ids))
+            ]
+            self.logits_observer([s for s, _ in kept], logits[[r for _, r in kept]])
+        num_drafts = [len(d) for d in drafts]
+        return SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
-        """Lay the batch out decodes first, as the attention backends expect."""
-        order = sorted(range(len(batch)), key=lambda i: batch.num_tokens[i] != 1)
-        rows, query_lens, sample_rows, sampling = [], [], [], []
-        end = 0
-        for i in order:
-            seq, n = batch.seqs[i], batch.num_tokens[i]
+        """Lay the batch out decodes first, as the attention backends expect. A sequence's
+        speculative drafts follow its last token, as decode rows of their own where the
+        backend takes them so (`drafts_as_decode_rows`), and each of its positions samples."""
+        as_rows = self.attn_backend.drafts_as_decode_rows
+        rows: list[BatchRow] = []
+        owners: list[int] = []  # per row: the sampling sequence it samples for, or -1
+        sampling, drafts = [], []
+        for seq, n in zip(batch.seqs, batch.num_tokens):
             first = seq.num_computed_tokens
-            tokens = seq.token_ids[first : first + n]
-            rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
-                                 seq.checkpoint_at, seq.checkpoint_entry))  # fmt: skip
+            num_drafts = max(0, first + n - seq.num_tokens)
+            tokens = seq.token_ids[first : first + n] + seq.spec_token_ids[:num_drafts]
             if seq.restore_entry >= 0:  # a prefix hit starts from the state saved after it
                 self._restore_state(seq.restore_entry, seq.state_slot)
                 seq.restore_entry = -1
-            query_lens.append(n)
-            end += n
-            if first + n == seq.num_tokens:
-                sample_rows.append(end - 1)
+            owner = len(sampling) if first + n >= seq.num_tokens else -1
+            if owner >= 0:
                 sampling.append(seq)
-        num_decodes = sum(1 for n in query_lens if n == 1)
-        layout = self.buffers.fill(rows, num_decodes)
+                drafts.append(seq.spec_token_ids[:num_drafts])
+            if num_drafts and as_rows:
+                rows += [BatchRow([t], first + j, seq.block_table) for j, t in enumerate(tokens)]
+                owners += [owner] * len(tokens)
+            else:
+                rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
+                                     seq.checkpoint_at, seq.checkpoint_entry))  # fmt: skip
+                owners.append(owner)
+        order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
+        rows, owners = [rows[i] for i in order], [owners[i] for i in order]
+        sample_rows = self._sample_rows(rows, owners, drafts)
+        query_lens = [len(row.token_ids) for row in rows]
+        layout = self.buffers.fill(rows, query_lens.count(1))
         sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
-        return StepInputs(layout, query_lens, sample_at, sampling)
+        return StepInputs(layout, query_lens, sample_at, sampling, drafts)
+
+    @staticmethod
+    def _sample_rows(rows: list[BatchRow], owners: list[int], drafts: list[list[int]]):
+        """Token indices whose logits are sampled, grouped by sequence in sampling order: a
+        row's last token, or the last 1 + k of a row that verifies k drafts."""
+        per_seq: list[list[int]] = [[] for _ in drafts]
+        end = 0
+        for row, owner in zip(rows, owners):
+            end += len(row.token_ids)
+            if owner >= 0:
+                n = min(len(row.token_ids), 1 + len(drafts[owner]))
+                per_seq[owner].extend(range(end - n, end))
+        return [i for rows_of_seq in per_seq for i in rows_of_seq]
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))

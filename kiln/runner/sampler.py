@@ -197,6 +197,32 @@ def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence], gen: torch.Gen
     return noise
 
 
+def shape_logits(logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int]) -> torch.Tensor:
+    """Penalties, logit_bias and min_tokens applied to a copy of the raw logits."""
+    seqs = batch.seqs
+    logits = apply_penalties(logits, batch) if batch.penalties is not None else logits.clone()
+    add_logit_bias(logits, seqs)
+    mask_min_tokens(logits, seqs, eos)
+    return logits
+
+
+def sampled_rows(batch: SamplingBatch) -> list[int]:
+    return [i for i, s in enumerate(batch.seqs) if not s.params.greedy]
+
+
+def sampling_probs(shaped: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
+    """The distribution each of `rows` samples from: its shaped logits over its temperature,
+    outside its top-k / top-p / min-p set to zero."""
+    sub = _rows(batch, torch.tensor(rows, dtype=torch.long, device=shaped.device))
+    scaled = shaped[rows] / sub.temperature[:, None]
+    return filter_logits(scaled, sub).softmax(-1)
+
+
+def draw(probs: torch.Tensor, seqs: list, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of `probs`, each seeded row from its sequence's own generator."""
+    return (probs / _exponential_noise(probs, seqs, generator)).argmax(-1)
+
+
 def sample(
     logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int], generator: torch.Generator
 ) -> SamplerOutput:
@@ -204,26 +230,11 @@ def sample(
     seqs = batch.seqs
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
-    if batch.penalties is not None:
-        logits = apply_penalties(logits, batch)
-    else:
-        logits = logits.clone()
-    add_logit_bias(logits, seqs)
-    mask_min_tokens(logits, seqs, eos)
-    greedy = logits.argmax(-1)
+    shaped = shape_logits(logits, batch, eos)
+    greedy = shaped.argmax(-1)
     if bool((batch.temperature == 0).all()):
         return SamplerOutput(greedy.tolist(), raw_logprobs)
-    sample_rows = [i for i, s in enumerate(seqs) if not s.params.greedy]
-    sub = SamplingBatch(
-        temperature=batch.temperature[sample_rows],
-        top_k=None if batch.top_k is None else batch.top_k[sample_rows],
-        top_p=None if batch.top_p is None else batch.top_p[sample_rows],
-        min_p=None if batch.min_p is None else batch.min_p[sample_rows],
-        penalties=None,
-        seqs=[seqs[i] for i in sample_rows],
-    )
-    scaled = logits[sample_rows] / sub.temperature[:, None]
-    probs = filter_logits(scaled, sub).softmax(-1)
-    chosen = (probs / _exponential_noise(probs, sub.seqs, generator)).argmax(-1)
-    greedy[sample_rows] = chosen
+    rows = sampled_rows(batch)
+    probs = sampling_probs(shaped, batch, rows)
+    greedy[rows] = draw(probs, [seqs[i] for i in rows], generator)
     return SamplerOutput(greedy.tolist(), raw_logprobs)

@@ -45,6 +45,38 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], st.graphs.get(key, 0))
             yield c
+        if st.spec_decode is not None:
+            yield from _spec_decode_metrics(st.spec_decode)
+
+
+def _spec_decode_metrics(spec: dict):
+    """vLLM's spec_decode series, as kiln_ counters."""
+    for name, key, doc in (
+        ("kiln_spec_decode_num_drafts", "num_drafts", "sequence-steps that verified drafts"),
+        ("kiln_spec_decode_num_draft_tokens", "num_draft_tokens", "draft tokens verified"),
+        ("kiln_spec_decode_num_accepted_tokens", "num_accepted_tokens", "draft tokens accepted"),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], spec[key])
+        yield c
+    per_pos = CounterMetricFamily(
+        "kiln_spec_decode_num_accepted_tokens_per_pos",
+        "draft tokens accepted, by position in the draft",
+        labels=["position"],
+    )
+    for position, n in enumerate(spec["accepted_per_position"]):
+        per_pos.add_metric([str(position)], n)
+    yield per_pos
+    for name, key, doc in (
+        ("kiln_spec_decode_draft_seconds", "draft_s", "time spent proposing drafts"),
+        ("kiln_spec_decode_verify_seconds", "verify_s", "time of the steps that verified drafts"),
+    ):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], spec[key])
+        yield c
+    g = GaugeMetricFamily("kiln_spec_decode_acceptance_rate", "accepted / verified draft tokens")
+    g.add_metric([], spec["acceptance_rate"])
+    yield g
 
 
 class ServerMetrics:

@@ -1,0 +1,124 @@
+"""The engine's side of speculative decoding: before each step, drafts for the sequences that
+decode (none when the step runs more sequences than `disable_by_batch_size`), and after it,
+the acceptance statistics."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kiln.config.speculative import SpeculativeConfig
+from kiln.engine.sequence import Sequence
+from kiln.errors import ConfigError
+from kiln.models.config import ModelConfig
+from kiln.spec.ngram import propose_ngram
+
+
+def verified_tokens_per_seq(config: SpeculativeConfig | None) -> int:
+    """Tokens a speculating sequence computes in a step: its last one and k drafts."""
+    return 1 + config.num_speculative_tokens if config is not None else 1
+
+
+def check_speculation(config: SpeculativeConfig | None, model: ModelConfig) -> None:
+    """Refuse what this model cannot speculate with, naming what can."""
+    if config is None:
+        return
+    if model.is_hybrid:
+        raise ConfigError(
+            f"speculative decoding on a hybrid model ({model.architecture}) is not supported "
+            "yet: a rejected draft would leave its update in the Gated DeltaNet state; drop "
+            "--speculative-config"
+        )
+    if config.method == "draft_model":
+        raise ConfigError(
+            '"method": "draft_model" is not available in this version of kiln; use '
+            '"method": "ngram"'
+        )
+    if config.method == "mtp":
+        raise ConfigError(
+            f'"method": "mtp" needs a model with MTP (mtp.*) weights; {model.architecture} has '
+            'none. Use "ngram" or "draft_model"'
+        )
+
+
+@dataclass
+class SpecDecodeStats:
+    num_drafts: int = 0  # sequence-steps that verified at least one draft
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)  # [k]
+    num_disabled_steps: int = 0  # steps that ran more sequences than disable_by_batch_size
+    draft_s: float = 0.0  # proposing
+    verify_s: float = 0.0  # the steps that verified drafts, model and sampling
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens a verifying sequence gains per step: its accepted drafts and one more."""
+        return 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dict(vars(self))
+        d["acceptance_rate"] = self.acceptance_rate
+        d["mean_accepted_length"] = self.mean_accepted_length
+        d["acceptance_per_position"] = [
+            n / self.num_drafts if self.num_drafts else 0.0 for n in self.accepted_per_position
+        ]
+        return d
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, pad_drafts: bool) -> None:
+        """`pad_drafts`: fill each proposal up to k tokens (with repeats of its last token),
+        so that verification batches stay uniform for the plan's FULL decode graphs; a filler
+        token is verified like any draft, so the output stays exact."""
+        self.config, self.max_model_len, self.pad_drafts = config, max_model_len, pad_drafts
+        k = config.num_speculative_tokens
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set the drafts of every running sequence that decodes next step."""
+        if len(running) > self.config.batch_size_limit:
+            for seq in running:
+                seq.spec_token_ids = []
+            self.stats.num_disabled_steps += 1
+            return
+        start = time.perf_counter()
+        for seq in running:
+            seq.spec_token_ids = self._drafts(seq) if seq.num_uncomputed_tokens == 1 else []
+        self.stats.draft_s += time.perf_counter() - start
+
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """At most k, never past the context length, and none the request could not use."""
+        cfg, p = self.config, seq.params
+        limit = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+        if limit < 1:
+            return []
+        ids = seq.token_ids
+        drafts = propose_ngram(ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.pad_drafts:
+            drafts += [drafts[-1] if drafts else ids[-1]] * (limit - len(drafts))
+        return drafts
+
+    def record(self, num_drafts: list[int], num_rejected: list[int], seconds: float) -> None:
+        """After a step that verified drafts: per sequence, how many it had and lost."""
+        st = self.stats
+        st.verify_s += seconds
+        for k, lost in zip(num_drafts, num_rejected):
+            if not k:
+                continue
+            accepted = k - lost
+            st.num_drafts += 1
+            st.num_draft_tokens += k
+            st.num_accepted_tokens += accepted
+            for j in range(accepted):
+                st.accepted_per_position[j] += 1
+
+    def reset(self) -> None:
+        self.stats = SpecDecodeStats(accepted_per_position=[0] * self.config.num_speculative_tokens)
