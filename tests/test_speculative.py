@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from kiln import SamplingParams, build_engine
+from kiln.config import CompilationConfig
 from kiln.config.options import engine_config
 from kiln.config.speculative import SpeculativeConfig
 from kiln.engine.sequence import Sequence
@@ -208,13 +209,16 @@ def _tiny_workload():
     return [(t, p, sp) for t, p, sp in zip([0, 0, 1, 3, 4], prompts, params)]
 
 
-@pytest.mark.parametrize("kv", [2**20, 72 * 512], ids=["roomy", "preempting"])
-def test_tiny_model_greedy_output_is_unchanged(tiny_models, kv):
+@pytest.mark.parametrize(
+    ("kv", "mode"), [(2**20, 0), (72 * 512, 0), (2**20, 3)], ids=["roomy", "preempting", "mode3"]
+)
+def test_tiny_model_greedy_output_is_unchanged(tiny_models, kv, mode):
     """Arrivals at different steps, prefix hits, a request that stops inside a verified run
-    of drafts, and a KV budget that forces preemption (512 bytes of KV per token)."""
+    of drafts, and a KV budget that forces preemption (512 bytes of KV per token); eager and
+    compiled (the CPU backend's op inside one Inductor graph)."""
     path = tiny_models["llama"]
     kwargs = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, kv_cache_memory=kv,
-                  max_model_len=64)  # fmt: skip
+                  max_model_len=64, compilation=CompilationConfig(mode=mode))  # fmt: skip
     reference = make_engine(path, **kwargs)
     want, _ = run_schedule(reference, _tiny_workload())
     spec = build_engine(_with_spec(reference.config, NGRAM | {"disable_by_batch_size": 8}))
