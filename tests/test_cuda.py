@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from kiln import SamplingParams
+from kiln import SamplingParams, build_engine
 from kiln.boot.capture import GraphCapture
 from kiln.config import CompilationConfig
 from kiln.config.engine import CacheConfig, EngineConfig, SchedulerConfig
@@ -38,7 +38,7 @@ def _engine(
     cache = CacheConfig(block_size=16, kv_cache_memory=kv)
     if kv is None:
         cache = CacheConfig(block_size=16, kv_cache_memory_fraction=0.05)
-    return LLMEngine(
+    return build_engine(
         EngineConfig(
             model=path,
             dtype=dtype,
@@ -241,7 +241,7 @@ def test_packed_model_in_full_and_piecewise_graphs_equals_eager(tiny_models, pac
     def engine(config: CompilationConfig) -> LLMEngine:
         scheduler = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)
         cache = CacheConfig(block_size=16, kv_cache_memory=PREEMPTING)
-        return LLMEngine(
+        return build_engine(
             EngineConfig(model=packed_gguf, tokenizer=tiny_models["llama"], device="cuda",
                          cache=cache, scheduler=scheduler, compilation=config)
         )  # fmt: skip

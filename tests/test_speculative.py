@@ -270,3 +270,33 @@ def test_sampled_requests_run_and_stay_seeded(tiny_models):
     assert runs[0].outputs[0].token_ids == runs[1].outputs[0].token_ids
     assert len(runs[0].outputs[0].token_ids) == 30
     _free_everything(engine)
+
+
+# ---- what it reports -----------------------------------------------------------------------
+
+
+def test_spec_metrics_reach_prometheus_and_the_bench_report(tiny_models):
+    from prometheus_client import generate_latest
+
+    from kiln.bench.matrix import spec_decode_delta
+    from kiln.bench.report import _run_notes
+    from kiln.bench.runner import BenchSettings, RunResult
+    from kiln.server.metrics import ServerMetrics
+
+    engine = build_engine(_with_spec(make_engine(tiny_models["llama"], block_size=4).config))
+    engine.speculator.pad_drafts = True
+    before = engine.stats().spec_decode
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    run_schedule(engine, [(0, [5, 6, 7, 5, 6], params)])
+    after = engine.stats().spec_decode
+    text = generate_latest(ServerMetrics(engine, lambda: 0).registry).decode()
+    drafted = after["num_draft_tokens"]
+    assert drafted > 0 and f"kiln_spec_decode_num_draft_tokens_total {drafted:.1f}" in text
+    assert 'kiln_spec_decode_num_accepted_tokens_per_pos_total{position="2"}' in text
+    delta = spec_decode_delta(before, after)
+    assert delta["num_draft_tokens"] == drafted
+    assert delta["acceptance_rate"] == after["acceptance_rate"]
+    run = RunResult("ngram", "http://x", "m", "r", BenchSettings(["regular"], [1000]))
+    run.server = {"spec_decode": delta}
+    (line,) = [x for x in _run_notes(run) if "speculative" in x]
+    assert f"of {drafted} draft tokens" in line

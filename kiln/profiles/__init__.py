@@ -20,6 +20,7 @@ from typing import Any
 
 from kiln.config.compilation import CompilationConfig
 from kiln.config.options import engine_options, server_options
+from kiln.config.speculative import SpeculativeConfig
 from kiln.default_model import EMBEDDED_HF, default_model_path, embedded_hf_dir
 from kiln.errors import ConfigError, KilnError
 
@@ -63,10 +64,11 @@ class Profile:
     random_weights: bool = False
 
     def serve_defaults(self) -> dict[str, Any]:
-        """The [serve] table as argparse destinations (compilation_config as JSON)."""
+        """The [serve] table as argparse destinations (the JSON options as JSON)."""
         out = dict(self.serve)
-        if "compilation_config" in out:
-            out["compilation_config"] = json.dumps(out["compilation_config"])
+        for name in ("compilation_config", "speculative_config"):
+            if name in out:
+                out[name] = json.dumps(out[name])
         return out
 
     def with_serve(self, name: str, **overrides: Any) -> Profile:
@@ -166,6 +168,11 @@ def _check_serve(serve: dict[str, Any], path: str) -> dict[str, Any]:
             CompilationConfig.from_json(serve["compilation_config"])
         except KilnError as exc:
             raise ConfigError(f"profile {path}: [serve] compilation_config: {exc}") from None
+    if "speculative_config" in serve:
+        try:
+            SpeculativeConfig.from_json(serve["speculative_config"])
+        except KilnError as exc:
+            raise ConfigError(f"profile {path}: [serve] speculative_config: {exc}") from None
     return dict(serve)
 
 
