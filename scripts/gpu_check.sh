@@ -4,7 +4,7 @@
 # bf16; its table prints last.
 #
 # Sized for the device budget (15 minutes per session, machine start included): the parts have
-# their own deadlines, about 8.5 minutes together (run it with timeout_s 560), which leaves time
+# their own deadlines, about 9 minutes together (run it with timeout_s 570), which leaves time
 # for one rerun of a part. Each part logs under $OUT (what the device tool brings back), so a
 # part cut at its deadline still reports; the benchmark prints and saves each row as it is
 # measured, FULL and PIECEWISE first.
@@ -22,10 +22,12 @@ PART=${1:-all}
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
 if [[ $PART == all || $PART == tests ]]; then
-  # real CUDA graphs in the five modes vs eager, graph misses, graph memory vs the reservation
+  # real CUDA graphs in the five modes vs eager, graph misses, graph memory vs the reservation,
+  # and speculative verification (1 + k tokens per sequence) in FULL graphs.
   # -v: each test's result is logged as it finishes, so a run cut at the deadline still says
   # which passed; --durations shows where the time went
-  timeout 200 python -m pytest -v -m cuda --durations=8 tests/test_cuda.py 2>&1 \
+  timeout 240 python -m pytest -v -m cuda --durations=8 tests/test_cuda.py \
+    tests/test_cuda_speculative.py 2>&1 \
     | tee "$OUT/cuda_tests.log" | grep -E "PASSED|FAILED|ERROR|passed|failed|error|skipped|s call|s setup" | tail -30
 fi
 if [[ $PART == all || $PART == triton ]]; then
