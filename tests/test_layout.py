@@ -21,7 +21,7 @@ LAYERS = [
     {"kiln.config"},
     {"kiln.layers", "kiln.attention", "kiln.models", "kiln.loader"},
     {"kiln.compiler", "kiln.cudagraphs", "kiln.compile_cache"},
-    {"kiln.engine"},
+    {"kiln.engine", "kiln.spec"},
     {"kiln.runner"},
     {"kiln.boot"},
     {"kiln.llm", "kiln.server"},

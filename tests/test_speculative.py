@@ -19,8 +19,8 @@ from kiln.config.speculative import SpeculativeConfig
 from kiln.engine.sequence import Sequence
 from kiln.errors import ConfigError
 from kiln.outputs import RequestMetrics
+from kiln.runner.verify import verify
 from kiln.spec.ngram import propose_ngram
-from kiln.spec.verify import verify
 from tests.helpers import make_engine, run_schedule
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,

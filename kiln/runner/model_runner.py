@@ -28,7 +28,7 @@ from kiln.models.interface import CausalModel
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
-from kiln.spec.verify import verify
+from kiln.runner.verify import verify
 
 logger = logging.getLogger(__name__)
 

@@ -1,3 +1,3 @@
-"""Speculative decoding: proposers that guess a sequence's next tokens cheaply (ngram.py), the
-verification that keeps the target model's output exact (verify.py), and the engine's side of
-it (speculator.py: who speculates in a step, and the acceptance statistics)."""
+"""Speculative decoding, the engine's side: proposers that guess a sequence's next tokens
+cheaply (ngram.py), and who speculates in a step and how it went (speculator.py). The
+verification that keeps the target model's output exact is the runner's (runner/verify.py)."""
