@@ -110,6 +110,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="auto", choices=["auto", "none"])
     ap.add_argument("--k", type=int, nargs="+", default=[2, 4], help="speculative tokens")
     ap.add_argument("--lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"))
     ap.add_argument("--streams", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -128,8 +129,9 @@ def main() -> None:
             "prompt_lookup_max": hi,
             "disable_by_batch_size": max(args.streams),
         }
-        llm = LLM(args.model, dtype=args.dtype, speculative_config=spec_config,
-                  kv_cache_memory="1GiB", max_model_len=2048)  # fmt: skip
+        llm = LLM(args.model, dtype=args.dtype, quantization=args.quantization,
+                  speculative_config=spec_config, kv_cache_memory="1GiB",
+                  max_model_len=2048)  # fmt: skip
         spec = llm.engine.speculator
         for workload in INSTRUCTIONS:
             pool = prompts(llm, workload, max(args.streams), args.excerpt)
@@ -157,7 +159,8 @@ def _line(r: dict) -> str:
 
 def _table(rows: list[dict], args) -> str:
     lines = [
-        f"n-gram lookup {args.lookup[0]}-{args.lookup[1]}, {args.dtype}, greedy, up to "
+        f"n-gram lookup {args.lookup[0]}-{args.lookup[1]}, {args.dtype}, quantization "
+        f"{args.quantization}, greedy, up to "
         f"{args.tokens} tokens, {args.rounds} rounds, medians",
         "",
         "| k | workload | streams | plain tok/s/stream | n-gram tok/s/stream | speedup "

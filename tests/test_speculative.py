@@ -300,3 +300,15 @@ def test_spec_metrics_reach_prometheus_and_the_bench_report(tiny_models):
     run.server = {"spec_decode": delta}
     (line,) = [x for x in _run_notes(run) if "speculative" in x]
     assert f"of {drafted} draft tokens" in line
+
+
+def test_a_speculating_servers_streams_are_incremental_per_step():
+    """Chunks of up to 1 + k tokens are a streaming server's steps, not a buffered answer."""
+    from kiln.bench.trial import StreamRecord, invalid_reasons
+
+    chunks = [(0.1 * i, f"word{i} ") for i in range(12)]  # 40 tokens in 12 chunks
+    rec = StreamRecord(0.0, chunks, 100, 40, None, 40, 100, 5.0)
+    assert "stream_not_incremental" in invalid_reasons(rec, text_checks=False)
+    assert "stream_not_incremental" not in invalid_reasons(rec, False, tokens_per_step=4)
+    rec.chunks = rec.chunks[:4]  # 10 tokens a chunk: buffered even for k = 3
+    assert "stream_not_incremental" in invalid_reasons(rec, False, tokens_per_step=4)

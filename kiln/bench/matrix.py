@@ -118,16 +118,29 @@ async def _bench(
     client = OpenAIClient(base_url, model="", timeout=settings.request_timeout)
     try:
         client.model = await served_model(client)
-        info = await engine_info(client)
-        results = await run_passes(client, settings, profile.name, probes, show_progress)
-        spec = spec_decode_delta(
-            info.get("spec_decode"), (await engine_info(client)).get("spec_decode")
-        )
-        for result in results:
-            result.server = dict(info) | ({"spec_decode": spec} if spec else {})
-        return results
+        return await bench_server(client, settings, profile.name, probes, show_progress)
     finally:
         await client.aclose()
+
+
+async def bench_server(
+    client: OpenAIClient, settings: BenchSettings, label: str, probes, show_progress: bool
+) -> list[RunResult]:
+    """The benchmark against one running server, each result with what the server said of
+    itself (kiln's /v1/engine) and its speculative decoding over the benchmark's requests. A
+    speculating server emits up to 1 + k tokens per step, and its streams are checked so."""
+    info = await engine_info(client)
+    spec_config = info.pop("speculative_config", None)
+    if spec_config:
+        k = spec_config["num_speculative_tokens"]
+        settings = dataclasses.replace(settings, tokens_per_step=1 + k)
+    results = await run_passes(client, settings, label, probes, show_progress)
+    spec = spec_decode_delta(
+        info.get("spec_decode"), (await engine_info(client)).get("spec_decode")
+    )
+    for result in results:
+        result.server = dict(info) | ({"spec_decode": spec} if spec else {})
+    return results
 
 
 async def served_model(client: OpenAIClient) -> str:
@@ -143,7 +156,8 @@ async def engine_info(client: OpenAIClient) -> dict[str, Any]:
     data = await client.get_json("/v1/engine")
     if not data:
         return {}
-    keys = ("graph_plan", "boot", "capture", "attention_backend", "device", "dtype")
+    keys = ("graph_plan", "boot", "capture", "attention_backend", "device", "dtype",
+            "speculative_config")  # fmt: skip
     info = {k: data[k] for k in keys if k in data}
     spec = (data.get("stats") or {}).get("spec_decode")
     return info | ({"spec_decode": spec} if spec else {})

@@ -34,6 +34,7 @@ class BenchSettings:
     text_checks: bool = True  # off for random weights, whose answers are noise by design
     passes: int = 1  # the whole performance lane again on the same server, each pass reported
     request_timeout: float = 600  # seconds a response may go without a byte (a long prefill)
+    tokens_per_step: int = 1  # the most tokens one step streams (1 + k when speculating)
 
     def check(self) -> None:
         positive = {
@@ -234,7 +235,12 @@ async def _round(
             source = "client"
         rec = _record(res, prompt, settings, source)
         key = (prompt.suite, prompt.target_tokens, conc, rep, slot, attempt)
-        return Trial(*key, rec, trial_metrics(rec), invalid_reasons(rec, settings.text_checks))
+        return Trial(
+            *key,
+            rec,
+            trial_metrics(rec),
+            invalid_reasons(rec, settings.text_checks, settings.tokens_per_step),
+        )
 
     start = time.monotonic()
     trials = await asyncio.gather(*(one(slot, 0) for slot in range(conc)))

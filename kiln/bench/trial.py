@@ -83,9 +83,13 @@ def trial_metrics(rec: StreamRecord) -> TrialMetrics:
     return m
 
 
-def invalid_reasons(rec: StreamRecord, text_checks: bool = True) -> list[str]:
+def invalid_reasons(
+    rec: StreamRecord, text_checks: bool = True, tokens_per_step: int = 1
+) -> list[str]:
     """Named reasons this trial may not count; empty when valid. `text_checks` False (random
-    weights) skips the checks of what the answer says, not of its length or streaming."""
+    weights) skips the checks of what the answer says, not of its length or streaming.
+    `tokens_per_step`: the most tokens a step of the server emits in one chunk (1 + k with
+    speculative decoding), which lowers the chunks per token a streaming server must reach."""
     if rec.error is not None:
         return ["request_failed"]
     reasons = []
@@ -99,16 +103,17 @@ def invalid_reasons(rec: StreamRecord, text_checks: bool = True) -> list[str]:
             reasons.append("prompt_tokens_outside_tolerance")
     if rec.cached_tokens:
         reasons.append("prompt_cache_hit")
-    reasons += _stream_reasons(rec)
+    reasons += _stream_reasons(rec, tokens_per_step)
     if text_checks and len(rec.chunks) >= MIN_TEXT_CHUNKS:
         reasons += _text_reasons(rec)
     return reasons
 
 
-def _stream_reasons(rec: StreamRecord) -> list[str]:
+def _stream_reasons(rec: StreamRecord, tokens_per_step: int) -> list[str]:
     if len(rec.chunks) < MIN_TEXT_CHUNKS:
         return ["too_few_text_tokens"]
-    if rec.completion_tokens and len(rec.chunks) / rec.completion_tokens < MIN_INCREMENTAL_SHARE:
+    share = MIN_INCREMENTAL_SHARE / tokens_per_step
+    if rec.completion_tokens and len(rec.chunks) / rec.completion_tokens < share:
         return ["stream_not_incremental"]
     return []
 

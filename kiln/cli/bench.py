@@ -10,10 +10,10 @@ import datetime
 import os
 
 from kiln.bench.client import OpenAIClient
-from kiln.bench.matrix import engine_info, matrix_profiles, run_matrix, served_model
+from kiln.bench.matrix import bench_server, matrix_profiles, run_matrix, served_model
 from kiln.bench.prompts import suite_names
 from kiln.bench.report import write_reports
-from kiln.bench.runner import BenchSettings, RunResult, run_passes
+from kiln.bench.runner import BenchSettings, RunResult
 from kiln.bench.summary import markdown_table, rows_of
 from kiln.profiles import Probe, load_profile, shipped_profiles
 
@@ -67,11 +67,7 @@ async def _run(
     try:
         if not args.model:
             client.model = await served_model(client)
-        info = await engine_info(client)
-        results = await run_passes(client, settings, label, probes, not args.no_progress)
-        for result in results:
-            result.server = info
-        return results
+        return await bench_server(client, settings, label, probes, not args.no_progress)
     finally:
         await client.aclose()
 
