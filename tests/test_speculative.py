@@ -184,13 +184,22 @@ def test_embedded_model_greedy_output_is_unchanged(smollm_dense_llm):
     on the batch), three prompts at once, one of which finds nothing to look up at first."""
     reference = smollm_dense_llm.engine
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    two = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, n=2)
+    stop = SamplingParams(temperature=0, max_tokens=40, stop=["fig"], logprobs=2)
     spec = build_engine(_with_spec(reference.config))
     ids = [reference.tokenizer.encode(p) for p in EDITS]
-    arrivals = [(0, ids[0], params), (0, ids[1], params), (2, ids[2], params)]
+    arrivals = [(0, ids[0], stop), (0, ids[1], two), (2, ids[2], params)]
     want, _ = run_schedule(reference, arrivals)
     got, _ = run_schedule(spec, arrivals)
     for rid in want:
-        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids
+        for a, b in zip(got[rid].outputs, want[rid].outputs, strict=True):
+            assert a.token_ids == b.token_ids and a.text == b.text
+            assert a.finish_reason == b.finish_reason
+    listed = got["0"].outputs[0]
+    assert listed.finish_reason == "stop" and listed.stop_reason == "fig"
+    for a, b in zip(listed.logprobs, want["0"].outputs[0].logprobs, strict=True):
+        assert a.sampled.token_id == b.sampled.token_id  # each kept token's own row
+        assert abs(a.sampled.logprob - b.sampled.logprob) < 1e-3
     st = spec.stats().spec_decode
     assert st["num_accepted_tokens"] > 10, st  # the drafts did their part
     assert st["num_accepted_tokens"] < st["num_draft_tokens"]  # and some were rolled back
@@ -205,7 +214,10 @@ def _tiny_workload():
     prompts += [shared + prompts[0], shared + prompts[2]]
     greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     stop_early = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
-    params = [greedy, greedy, stop_early, greedy, greedy]
+    # penalties over the tokens before each verified position, drafts included
+    penalized = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
+                               repetition_penalty=1.3, frequency_penalty=0.4)  # fmt: skip
+    params = [greedy, penalized, stop_early, greedy, greedy]
     return [(t, p, sp) for t, p, sp in zip([0, 0, 1, 3, 4], prompts, params)]
 
 
