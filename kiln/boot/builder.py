@@ -11,6 +11,13 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
+from kiln.boot.draft import (
+    build_draft_runner,
+    capture_draft_graphs,
+    draft_bytes_per_block,
+    finish_draft,
+    load_draft,
+)
 from kiln.boot.host_memory import keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
@@ -69,6 +76,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
         )
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)
+        draft = load_draft(config, source.config, device, load_model)
     entry: CompileCacheEntry | None = None
     try:
         with phases.phase("plan"):
@@ -78,20 +86,26 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
             runner = _runner(model, attn_backend, plan, config, max_model_len, tokenizer, entry,
                              device)  # fmt: skip
             runner.attach_graphs(graph_backend_for(plan, device, graph_backend))
+            if draft is not None:
+                build_draft_runner(draft, config, max_model_len, tokenizer, device, graph_backend)
         capture = GraphCapture(runner)
         with phases.phase("measure_graph_memory"):
             reserved = capture.measure(dtype)
         with phases.phase("allocate_kv_cache"):
-            num_blocks = _allocate_kv_cache(config, source, capture, max_model_len, reserved)
+            num_blocks = _allocate_kv_cache(config, source, capture, max_model_len, reserved,
+                                            draft_bytes_per_block(draft, config))  # fmt: skip
         boot = _report(source, runner, entry)
         engine = LLMEngine(
             config, source.config, tokenizer, runner, num_blocks, max_model_len, boot
         )
+        if draft is not None:
+            engine.speculator.draft_model = finish_draft(draft, config, num_blocks, config.seed)
         with phases.phase("warm_up"):  # compiles in mode 3
             warm_up(engine, runner)
             _seal(entry, runner)
         with phases.phase("capture_graphs"):
             capture.capture()
+            capture_draft_graphs(draft)
     finally:
         if entry is not None:  # sealed by now, or abandoned by a failed boot
             entry.release()
@@ -190,6 +204,7 @@ def _allocate_kv_cache(
     capture: GraphCapture,
     max_model_len: int,
     graph_reserve: int,
+    draft_bytes_per_block: int = 0,
 ) -> int:
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
@@ -197,7 +212,7 @@ def _allocate_kv_cache(
     checkpoints = runner.num_state_checkpoints
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
-        config.scheduler.max_num_seqs, graph_reserve, checkpoints,
+        config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,
     )  # fmt: skip
     runner.allocate_kv_cache(num_blocks, dtype)
     if config.cache.kv_cache_memory is not None:
@@ -231,7 +246,11 @@ def warm_up(engine: LLMEngine, runner: ModelRunner) -> None:
     """A prefill step then a decode step, so compilation happens at boot, not on the first
     request; afterwards every recompilation is counted and warned about."""
     n = max(1, min(8, engine.max_model_len - 3))
-    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    spec = engine.config.speculative
+    # with speculation, long enough for a verification step (and the draft model's steps):
+    # a prompt of one repeated token is what n-gram lookups find
+    extra = spec.num_speculative_tokens + 1 if spec is not None else 0
+    params = SamplingParams(temperature=0, max_tokens=2 + extra, ignore_eos=True)
     engine.add_request(WARM_UP_REQUEST, [1] * n, params)
     engine.step()
     _check_trace_saved(engine.config, runner)

@@ -67,12 +67,14 @@ def size_kv_cache(
     max_num_seqs: int,
     graph_reserve: int = 0,
     state_checkpoints: int = 0,
+    draft_bytes_per_block: int = 0,
 ) -> int:
     """The number of KV blocks, or an error naming the remedy when they hold less than one
     context of `max_model_len` tokens. A hybrid model's state slots (one per sequence the
-    scheduler may run) and prefix-cache checkpoints come out of the same budget first."""
+    scheduler may run) and prefix-cache checkpoints come out of the same budget first; a draft
+    model's cache of as many blocks shares the budget (`draft_bytes_per_block`)."""
     bs = cache.block_size
-    per_block = kv_bytes_per_block(model, bs, dtype)
+    per_block = kv_bytes_per_block(model, bs, dtype) + draft_bytes_per_block
     per_seq = -(-max_model_len // bs)
     states = state_bytes_per_sequence(model, dtype) * (max_num_seqs + state_checkpoints)
     reserve = graph_reserve + (states if cache.kv_cache_memory is None else 0)

@@ -102,6 +102,7 @@ class BlockManager:
             seq.restore_entry = self.checkpoints.lookup(seq.block_hashes[len(hits) - 1])
         seq.block_table = list(hits)
         seq.num_hashed_blocks = len(hits)
+        seq.draft_computed = 0  # a draft model's KV of prefix hits is not kept: it catches up
         seq.num_computed_tokens = len(hits) * self.block_size
         self.stats.queried_tokens += seq.num_tokens
         self.stats.hit_tokens += seq.num_computed_tokens
@@ -200,7 +201,7 @@ class BlockManager:
                 self.free[block_id] = None
         seq.block_table = []
         seq.num_hashed_blocks = 0
-        seq.num_computed_tokens = 0
+        seq.num_computed_tokens = seq.draft_computed = 0
         if self.state_slots is not None and seq.state_slot >= 0:
             self.state_slots.give_back(seq.state_slot)
             seq.state_slot = -1

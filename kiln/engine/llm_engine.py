@@ -174,6 +174,8 @@ class LLMEngine:
         self.closed = True
         self.requests.clear()
         self.runner.release_memory()
+        if self.speculator is not None and self.speculator.draft_model is not None:
+            self.speculator.draft_model.release_memory()
         gc.collect()
 
     # ---- the step -------------------------------------------------------------------------
@@ -186,13 +188,16 @@ class LLMEngine:
             return []
         for seq, n in zip(batch.seqs, batch.num_tokens):
             self.blocks.plan_checkpoint(seq, n)
+        if self.speculator is not None:
+            self.speculator.draft(batch)
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         rejected = self._rejected(sampled, time.perf_counter() - start)
         for seq, n in zip(batch.seqs, batch.num_tokens):
             seq.num_computed_tokens += n - rejected.get(seq, 0)
+            seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
             if seq.spec_token_ids:
-                seq.spec_token_ids = []
+                seq.spec_token_ids, seq.spec_probs = [], None
                 self.blocks.trim(seq)
             self.blocks.register_computed_blocks(seq)
         self.num_steps += 1
@@ -247,7 +252,7 @@ class LLMEngine:
             prefix_cache_hit_tokens=b.stats.hit_tokens,
             num_steps=self.num_steps,
             graphs=self.runner.graph_stats(),
-            spec_decode=self.speculator.stats.to_dict() if self.speculator else None,
+            spec_decode=self.speculator.report() if self.speculator else None,
         )
 
     def describe(self) -> dict[str, Any]:

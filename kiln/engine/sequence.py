@@ -41,8 +41,12 @@ class Sequence:
     checkpoint_at: int = -1
     checkpoint_entry: int = -1
     block_hashes: list[int] = field(default_factory=list)
-    # speculative decoding: tokens proposed after token_ids, verified in the next step
+    # speculative decoding: tokens proposed after token_ids, verified in the next step; a
+    # draft model's distributions they were drawn from ([k, V], sampled requests only); and
+    # how many of its tokens the draft model's KV cache holds
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_probs: torch.Tensor | None = None
+    draft_computed: int = 0
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     logprobs: list[Logprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0

@@ -173,13 +173,20 @@ class ModelRunner:
     # ---- one step -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> SampledTokens:
+    def forward_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
+        """Run the batch; the logits of its sample rows (None when no sequence samples)."""
         inputs = self.prepare(batch)
         hidden = self._run(inputs)
+        if not inputs.sampling_seqs:
+            return inputs, None
+        return inputs, self.model.compute_logits(hidden[inputs.sample_rows])
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> SampledTokens:
+        inputs, logits = self.forward_logits(batch)
         seqs = inputs.sampling_seqs
-        if not seqs:
+        if logits is None:
             return SampledTokens([], [], None)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])
         if any(inputs.drafts):
             return self._verify(logits, seqs, inputs.drafts)
         if self.logits_observer is not None:
@@ -191,7 +198,11 @@ class ModelRunner:
     def _verify(
         self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
     ) -> SampledTokens:
-        done = verify(logits, seqs, drafts, self.sampling.eos_token_ids, self.generator)
+        # a draft model's distributions, where it drew its drafts (n-gram drafts have none)
+        q = [s.spec_probs[: len(d)] if s.spec_probs is not None else None
+             for s, d in zip(seqs, drafts)]  # fmt: skip
+        eos = self.sampling.eos_token_ids
+        done = verify(logits, seqs, drafts, eos, self.generator, q)
         if self.logits_observer is not None:  # the rows the kept tokens came from
             kept = [
                 (s, first + j)

@@ -93,7 +93,7 @@ def verify(
             out.append([*d[:m], argmax[start + m]])
         else:
             p = probs[[row_of_prob[start + j] for j in range(len(d) + 1)]]
-            q = draft_probs[i] if draft_probs is not None else None
+            q = draft_probs[i] if draft_probs is not None else None  # None: one-hot
             m, final = _sampled_accepted(p, d, q, seq.generator or generator)
             out.append(d[:m])
             finals.append((len(out) - 1, final, seq))

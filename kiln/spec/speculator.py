@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+import torch
 
 from kiln.config.speculative import SpeculativeConfig
+from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
@@ -29,11 +32,6 @@ def check_speculation(config: SpeculativeConfig | None, model: ModelConfig) -> N
             f"speculative decoding on a hybrid model ({model.architecture}) is not supported "
             "yet: a rejected draft would leave its update in the Gated DeltaNet state; drop "
             "--speculative-config"
-        )
-    if config.method == "draft_model":
-        raise ConfigError(
-            '"method": "draft_model" is not available in this version of kiln; use '
-            '"method": "ngram"'
         )
     if config.method == "mtp":
         raise ConfigError(
@@ -71,14 +69,36 @@ class SpecDecodeStats:
         return d
 
 
+class DraftModel(Protocol):
+    """A smaller model that drafts by decoding (kiln.runner.draft builds one)."""
+
+    def propose(
+        self, seqs: list[Sequence], counts: list[int]
+    ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """`counts[i]` drafts for each sequence after its tokens, and for each sampled one the
+        distributions [count, V] they were drawn from (None for greedy ones)."""
+        ...
+
+    def graph_stats(self) -> dict[str, Any]:
+        """Its own steps per runtime mode and graph misses."""
+        ...
+
+    def warmed_up(self) -> None:
+        """The boot's warm-up is over: forget its steps, count later compilations."""
+        ...
+
+    def release_memory(self) -> None: ...
+
+
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int, pad_drafts: bool) -> None:
-        """`pad_drafts`: fill each proposal up to k tokens (with repeats of its last token),
-        so that verification batches stay uniform for the plan's FULL decode graphs; a filler
-        token is verified like any draft, so the output stays exact."""
+        """`pad_drafts`: fill each n-gram proposal up to k tokens (with repeats of its last
+        token), so that verification batches stay uniform for the plan's FULL decode graphs; a
+        filler token is verified like any draft, so the output stays exact."""
         self.config, self.max_model_len, self.pad_drafts = config, max_model_len, pad_drafts
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
+        self.draft_model: DraftModel | None = None  # method draft_model: set by the boot
 
     def propose(self, running: list[Sequence]) -> None:
         """Set the drafts of every running sequence that decodes next step."""
@@ -101,10 +121,27 @@ class Speculator:
         if limit < 1:
             return []
         ids = seq.token_ids
+        if cfg.method == "draft_model":  # places: the draft model fills those scheduled
+            return [ids[-1]] * limit
         drafts = propose_ngram(ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if self.pad_drafts:
             drafts += [drafts[-1] if drafts else ids[-1]] * (limit - len(drafts))
         return drafts
+
+    def draft(self, batch: ScheduledBatch) -> None:
+        """After scheduling, with the draft model: the drafts of the scheduled places (the
+        scheduler may have cut some), decoded now that their KV blocks exist."""
+        if self.draft_model is None:
+            return
+        seqs = [s for s in batch.seqs if s.spec_token_ids]
+        if not seqs:
+            return
+        start = time.perf_counter()
+        counts = [len(s.spec_token_ids) for s in seqs]
+        tokens, probs = self.draft_model.propose(seqs, counts)
+        for seq, ids, q in zip(seqs, tokens, probs):
+            seq.spec_token_ids, seq.spec_probs = ids, q
+        self.stats.draft_s += time.perf_counter() - start
 
     def record(self, num_drafts: list[int], num_rejected: list[int], seconds: float) -> None:
         """After a step that verified drafts: per sequence, how many it had and lost."""
@@ -120,5 +157,16 @@ class Speculator:
             for j in range(accepted):
                 st.accepted_per_position[j] += 1
 
+    def report(self) -> dict[str, Any]:
+        """The statistics, and with a draft model its runner's steps and graph misses."""
+        out = self.stats.to_dict()
+        if self.draft_model is not None:
+            out["draft_graphs"] = self.draft_model.graph_stats()
+        return out
+
     def reset(self) -> None:
+        """After the boot's warm-up: no statistics, and a draft model's compilations from now
+        on are recompilations."""
         self.stats = SpecDecodeStats(accepted_per_position=[0] * self.config.num_speculative_tokens)
+        if self.draft_model is not None:
+            self.draft_model.warmed_up()
