@@ -462,3 +462,17 @@ def test_dispatcher():
     assert (d.mode, d.descriptor) == (R.FULL, BatchDescriptor(6, 2, 3))
     d = dispatch(mtp, describe([1, 1]))  # not uniform at 3 tokens: the mixed graphs
     assert d.mode is R.PIECEWISE
+
+
+@pytest.mark.parametrize(
+    ("support", "plain_decode"), [(S.ALWAYS, "FULL"), (S.UNIFORM_BATCH, "NONE")]
+)
+def test_speculative_decode_graphs_take_single_token_decodes_where_the_backend_can(
+    support, plain_decode
+):
+    """With 1 + k = 4 tokens per verified sequence, the FULL decode graphs replay a step that
+    verifies nothing (1 token per request) only for a backend that runs any batch in a graph."""
+    p = plan("FULL_DECODE_ONLY", mode=0, support=support, q=4)
+    assert dispatch(p, describe([4] * 3)).mode.value == "FULL"
+    assert dispatch(p, describe([1] * 5)).mode.value == plain_decode
+    assert dispatch(p, describe([4, 1])).mode.value == "NONE"  # mixed: eager in this mode

@@ -324,3 +324,30 @@ def test_a_speculating_servers_streams_are_incremental_per_step():
     assert "stream_not_incremental" not in invalid_reasons(rec, False, tokens_per_step=4)
     rec.chunks = rec.chunks[:4]  # 10 tokens a chunk: buffered even for k = 3
     assert "stream_not_incremental" in invalid_reasons(rec, False, tokens_per_step=4)
+
+
+def test_drafts_never_cost_another_sequence_its_step(tiny_models):
+    """Two decoding sequences, a step budget of 4 tokens and k = 3: every step runs both (the
+    first one's drafts take what the second one's token leaves), rather than the first one's
+    drafts taking the whole budget and the second waiting."""
+    engine = make_engine(tiny_models["llama"], block_size=4, max_num_batched_tokens=4)
+    engine = build_engine(_with_spec(engine.config))
+    engine.speculator.pad_drafts = True  # k drafts every step
+    seen, schedule = [], engine.scheduler.schedule
+
+    def recording():  # the real scheduler's batches, as the engine runs them
+        batch = schedule()
+        seen.append((set(engine.requests), [s.request_id for s in batch.seqs], batch.num_tokens))
+        return batch
+
+    engine.scheduler.schedule = recording
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], params)
+    engine.add_request("b", [8, 9], params)
+    while engine.has_unfinished_requests():
+        engine.step()
+    both = [(ids, n) for live, ids, n in seen if live == {"a", "b"}]
+    assert all(ids == ["a", "b"] for ids, _ in both), both
+    assert any(n == [3, 1] for _, n in both)  # a: its token and 2 drafts; b: its token
+    assert all(sum(n) <= 4 for _, _, n in seen)
+    _free_everything(engine)

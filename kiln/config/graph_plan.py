@@ -88,6 +88,9 @@ class GraphPlan:
     splitting_ops: tuple[str, ...]
     uniform_decode_query_len: int
     changes: tuple[PlanChange, ...] = field(default_factory=tuple)
+    # a backend that runs any batch in a FULL graph replays the decode graphs for single-token
+    # decodes too (steps that verify no drafts); others for uniform_decode_query_len only
+    single_token_decodes: bool = False
     backend: str | None = None  # what compiles the pieces (mode 3), None in mode 0
     inductor_options: tuple[tuple[str, Any], ...] = ()  # applied when backend is inductor
 
@@ -102,6 +105,7 @@ class GraphPlan:
             "mixed_capture_sizes": list(self.mixed_capture_sizes),
             "splitting_ops": list(self.splitting_ops),
             "uniform_decode_query_len": self.uniform_decode_query_len,
+            "single_token_decodes": self.single_token_decodes,
             "backend": self.backend,
             "inductor_compile_config": shown_options(self.inductor_options),
             "changes": [vars(c) for c in self.changes],
@@ -188,6 +192,8 @@ def resolve_graph_plan(
         splitting_ops=tuple(splitting) if r.mode == 3 else (),
         uniform_decode_query_len=uniform_decode_query_len,
         changes=tuple(r.changes),
+        single_token_decodes=uniform_decode_query_len == 1
+        or attention.graph_support is GraphSupport.ALWAYS,
         backend=backend,
         inductor_options=inductor_options,
     )

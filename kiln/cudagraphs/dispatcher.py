@@ -37,7 +37,10 @@ class Dispatch:
 def dispatch(plan: GraphPlan, batch: BatchDescriptor) -> Dispatch:
     """FULL for uniform decode batches with a FULL graph; the mixed mode for the rest, where a
     capture size fits; NONE otherwise (a batch above the ladder runs eagerly by design)."""
-    decode = batch.uniform_token_count == plan.uniform_decode_query_len
+    uniform = batch.uniform_token_count
+    decode = uniform == plan.uniform_decode_query_len or (
+        uniform == 1 and plan.single_token_decodes
+    )
     candidates = []
     if decode and plan.decode_mode is not RuntimeMode.NONE:
         candidates.append((plan.decode_mode, plan.decode_capture_sizes))

@@ -96,10 +96,16 @@ class LLMEngine:
         self.num_steps = 0
         spec = config.speculative
         self.speculator = (
-            Speculator(spec, max_model_len, self.plan.decode_mode is not RuntimeMode.NONE)
+            Speculator(spec, max_model_len, self._uniform_verification())
             if spec is not None
             else None
         )
+
+    def _uniform_verification(self) -> bool:
+        """Whether verification batches must stay uniform: FULL decode graphs of 1 + k tokens
+        per sequence (with decode rows of one position each, any mix is uniform)."""
+        plan = self.plan
+        return plan.decode_mode is RuntimeMode.FULL and plan.uniform_decode_query_len > 1
 
     @property
     def plan(self) -> GraphPlan:

@@ -45,6 +45,8 @@ class Scheduler:
         batch = ScheduledBatch()
         budget = self.config.max_num_batched_tokens
         preempted = self._schedule_running(batch, budget)
+        # under KV pressure no drafts: the blocks are the sequences' own tokens'
+        self._add_drafts(batch, 0 if preempted else budget - batch.total_tokens)
         if not preempted:
             self._admit_waiting(batch, budget - batch.total_tokens)
         return batch
@@ -54,10 +56,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed_tokens + len(seq.spec_token_ids), budget)
-            if not self.blocks.can_append(seq, n):  # drafts never cost another a preemption
-                n = min(seq.num_uncomputed_tokens, budget)
-            del seq.spec_token_ids[max(0, n - seq.num_uncomputed_tokens) :]  # those that fit
+            n = min(seq.num_uncomputed_tokens, budget)
             while not self.blocks.can_append(seq, n):
                 preempted = True
                 self._preempt(self.running.pop())
@@ -69,6 +68,22 @@ class Scheduler:
             budget -= n
             i += 1
         return preempted
+
+    def _add_drafts(self, batch: ScheduledBatch, budget: int) -> None:
+        """Speculative drafts, after every running sequence got its own tokens: from the budget
+        and the free blocks left, so drafts never cost another sequence its step or its KV.
+        The drafts that do not fit are dropped."""
+        for i, seq in enumerate(batch.seqs):
+            n, extra = batch.num_tokens[i], min(len(seq.spec_token_ids), budget)
+            if n != seq.num_uncomputed_tokens:
+                extra = 0  # a prefill chunk, never with drafts
+            while extra and not self.blocks.can_append(seq, n + extra):
+                extra -= 1
+            del seq.spec_token_ids[extra:]
+            if extra:
+                self.blocks.append(seq, n + extra)
+                batch.num_tokens[i] += extra
+                budget -= extra
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:

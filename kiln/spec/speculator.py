@@ -113,17 +113,20 @@ class Speculator:
         self.stats.draft_s += time.perf_counter() - start
 
     def _drafts(self, seq: Sequence) -> list[int]:
-        """At most k, never past the context length, and none the request could not use."""
+        """At most k, never past the context length, and none the request could not use
+        (past max_tokens) unless the batch must stay uniform."""
         cfg, p = self.config, seq.params
-        limit = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        room = min(cfg.num_speculative_tokens, self.max_model_len - seq.num_tokens)
+        useful = room
         if p.max_tokens is not None:
-            limit = min(limit, p.max_tokens - seq.num_output_tokens - 1)
+            useful = min(room, p.max_tokens - seq.num_output_tokens - 1)
+        limit = room if self.pad_drafts else useful
         if limit < 1:
             return []
         ids = seq.token_ids
         if cfg.method == "draft_model":  # places: the draft model fills those scheduled
             return [ids[-1]] * limit
-        drafts = propose_ngram(ids, limit, cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        drafts = propose_ngram(ids, max(useful, 0), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if self.pad_drafts:
             drafts += [drafts[-1] if drafts else ids[-1]] * (limit - len(drafts))
         return drafts
