@@ -64,3 +64,24 @@ def test_verification_runs_in_graphs_without_misses(
     decode_mode = plan.decode_mode.value
     assert st.graphs["steps"][decode_mode] > 0
     assert engine.blocks.num_free_blocks == engine.blocks.num_blocks
+
+
+def test_hybrid_verification_in_piecewise_graphs(tiny_models):
+    """A hybrid model (its Gated DeltaNet op runs between pieces, as attention does): verified
+    runs of 1 + k tokens through its state in PIECEWISE graphs, zero misses, eager's tokens."""
+    path = tiny_models["qwen3_next"]
+    eager = _engine(path, "NONE", 0, "torch", graphs=False, kv=2**20)
+    want, _ = run_schedule(eager, _workload())
+    base = _engine(path, "PIECEWISE", 3, "torch", kv=2**20)
+    config = replace(base.config, speculative=SPEC)
+    base.close()
+    engine = build_engine(config, graph_backend=EmulatedGraphBackend())
+    assert engine.plan.uniform_decode_query_len == 4  # runs: one state per sequence
+    engine.speculator.pad_drafts = True  # k drafts every step
+    got, _ = run_schedule(engine, _workload())
+    for rid in want:
+        assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
+    st = engine.stats()
+    assert st.spec_decode["num_drafts"] > 0
+    assert st.graphs["graph_misses"] == 0 and st.graphs["steps"]["PIECEWISE"] > 0
+    assert engine.blocks.num_free_blocks == engine.blocks.num_blocks

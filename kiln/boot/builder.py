@@ -194,6 +194,8 @@ def _runner(
     runner = ModelRunner(
         model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
     )
+    if model.config.is_hybrid and config.speculative is not None:
+        runner.snapshot_offset = sched.max_num_seqs
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
 
@@ -209,7 +211,8 @@ def _allocate_kv_cache(
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
-    checkpoints = runner.num_state_checkpoints
+    # a hybrid's state entries beyond one slot per sequence: checkpoints, snapshots
+    checkpoints = runner.num_state_checkpoints + runner.snapshot_offset
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,

@@ -107,7 +107,7 @@ def resolve_plan(
     sched = config.scheduler
     # a verification step's rows: one per position where the backend takes them so
     per_seq = verified_tokens_per_seq(config.speculative)
-    query_len = 1 if backend.drafts_as_decode_rows else per_seq
+    query_len = 1 if backend.drafts_as_decode_rows and not model.is_hybrid else per_seq
     plan = resolve_graph_plan(
         config.compilation,
         device_caps(device, graph_backend),

@@ -192,15 +192,18 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.blocks.plan_checkpoint(seq, n)
+        for seq, n in zip(batch.seqs, batch.num_tokens):  # a state checkpoint: known tokens only
+            self.blocks.plan_checkpoint(seq, n - len(seq.spec_token_ids))
         if self.speculator is not None:
             self.speculator.draft(batch)
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         rejected = self._rejected(sampled, time.perf_counter() - start)
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            seq.num_computed_tokens += n - rejected.get(seq, 0)
+            lost = rejected.get(seq, 0)
+            # a hybrid's state after a rejected draft was put back to the step's start (the
+            # runner): the kept tokens are computed again next step, as a chunk
+            seq.num_computed_tokens += 0 if lost and self.model_config.is_hybrid else n - lost
             seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
             if seq.spec_token_ids:
                 seq.spec_token_ids, seq.spec_probs = [], None

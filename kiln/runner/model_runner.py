@@ -71,6 +71,9 @@ class ModelRunner:
         (kiln/compiler/precompile.py); `no_trace_file`: why there is none;
         `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py)."""
         self.num_state_checkpoints = num_state_checkpoints
+        # hybrid models with speculative decoding: a second slot per sequence, `snapshot_offset`
+        # past its own, holds its state from before a verification step (set by the boot)
+        self.snapshot_offset = 0
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -149,7 +152,7 @@ class ModelRunner:
         then the prefix cache's checkpoints (`num_state_checkpoints`), the convolution's inputs
         in the model's dtype, the delta rule's matrices in float32 (a slot is zeroed when a
         sequence starts in it, a checkpoint written before it is read: empty is enough)."""
-        slots = self.buffers.seq_lens.numel()
+        slots = 2 * self.snapshot_offset or self.buffers.seq_lens.numel()
         self.state_tensors = []
         for layer in self.linear_layers:
             states = [
@@ -169,6 +172,11 @@ class ModelRunner:
         for (conv, recurrent), (saved_conv, saved_recurrent) in self.state_tensors:
             conv[slot].copy_(saved_conv[entry])
             recurrent[slot].copy_(saved_recurrent[entry])
+
+    def _copy_slot(self, source: int, target: int) -> None:
+        for (conv, recurrent), _ in self.state_tensors:
+            conv[target].copy_(conv[source])
+            recurrent[target].copy_(recurrent[source])
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -211,13 +219,19 @@ class ModelRunner:
             ]
             self.logits_observer([s for s, _ in kept], logits[[r for _, r in kept]])
         num_drafts = [len(d) for d in drafts]
-        return SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
+        out = SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
+        if self.linear_layers:
+            for i, seq in enumerate(seqs):
+                if out.num_rejected(i):  # the state went past the kept tokens: back, recompute
+                    self._copy_slot(seq.state_slot + self.snapshot_offset, seq.state_slot)
+        return out
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Lay the batch out decodes first, as the attention backends expect. A sequence's
         speculative drafts follow its last token, as decode rows of their own where the
         backend takes them so (`drafts_as_decode_rows`), and each of its positions samples."""
-        as_rows = self.attn_backend.drafts_as_decode_rows
+        # a Gated DeltaNet state advances through one row per sequence: runs for hybrids
+        as_rows = self.attn_backend.drafts_as_decode_rows and not self.linear_layers
         rows: list[BatchRow] = []
         owners: list[int] = []  # per row: the sampling sequence it samples for, or -1
         sampling, drafts = [], []
@@ -232,6 +246,8 @@ class ModelRunner:
             if owner >= 0:
                 sampling.append(seq)
                 drafts.append(seq.spec_token_ids[:num_drafts])
+            if num_drafts and self.linear_layers:  # to go back to if a draft is rejected
+                self._copy_slot(seq.state_slot, seq.state_slot + self.snapshot_offset)
             if num_drafts and as_rows:
                 rows += [BatchRow([t], first + j, seq.block_table) for j, t in enumerate(tokens)]
                 owners += [owner] * len(tokens)

@@ -27,11 +27,10 @@ def check_speculation(config: SpeculativeConfig | None, model: ModelConfig) -> N
     """Refuse what this model cannot speculate with, naming what can."""
     if config is None:
         return
-    if model.is_hybrid:
+    if config.method == "mtp" and model.is_hybrid:
         raise ConfigError(
-            f"speculative decoding on a hybrid model ({model.architecture}) is not supported "
-            "yet: a rejected draft would leave its update in the Gated DeltaNet state; drop "
-            "--speculative-config"
+            f'"method": "mtp" is not available yet: {model.architecture}\'s mtp.* tensors are '
+            'loaded but kiln does not run them. Use "ngram" or "draft_model"'
         )
     if config.method == "mtp":
         raise ConfigError(
