@@ -17,11 +17,18 @@ import torch
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
 from kiln.runner.model_runner import ModelRunner
-from kiln.runner.sampler import SamplingBatch, draw, sampled_rows, sampling_probs, shape_logits
+from kiln.runner.sampler import (
+    SamplingBatch,
+    SequenceView,
+    draw,
+    sampled_rows,
+    sampling_probs,
+    shape_logits,
+)
 
 
 @dataclass(eq=False)
-class DraftView:
+class DraftView(SequenceView):
     """A sequence as the draft model's runner sees it: the draft cache's progress, and the
     drafts so far appended to its tokens."""
 
@@ -42,18 +49,6 @@ class DraftView:
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
-
-    @property
-    def params(self):
-        return self.seq.params
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.seq.generator
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
 
     @property
     def num_output_tokens(self) -> int:

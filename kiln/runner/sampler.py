@@ -15,6 +15,26 @@ import torch
 from kiln.engine.sequence import Sequence
 
 
+class SequenceView:
+    """A sequence as the sampler reads it, with tokens it does not hold yet (subclasses: a
+    verified position with the drafts before it, a draft model's drafts so far). Subclasses
+    give `seq` and their own `token_ids` and `num_output_tokens`."""
+
+    seq: Sequence
+
+    @property
+    def params(self):
+        return self.seq.params
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self.seq.generator
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self.seq.num_prompt_tokens
+
+
 @dataclass
 class SamplingBatch:
     temperature: torch.Tensor  # [B], 0 for greedy rows

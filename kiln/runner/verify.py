@@ -19,6 +19,7 @@ import torch
 from kiln.engine.sequence import Sequence
 from kiln.runner.sampler import (
     SamplingBatch,
+    SequenceView,
     draw,
     sampled_rows,
     sampling_probs,
@@ -27,25 +28,13 @@ from kiln.runner.sampler import (
 
 
 @dataclass(eq=False)
-class DraftPosition:
-    """One position of a sequence's verification as the sampler sees a sequence: its tokens
-    with the drafts before this position appended."""
+class DraftPosition(SequenceView):
+    """One position of a sequence's verification: its tokens with the drafts before this
+    position appended."""
 
     seq: Sequence
     drafts: list[int]
     index: int  # 0 .. len(drafts): the drafts before it
-
-    @property
-    def params(self):
-        return self.seq.params
-
-    @property
-    def generator(self) -> torch.Generator | None:
-        return self.seq.generator
-
-    @property
-    def num_prompt_tokens(self) -> int:
-        return self.seq.num_prompt_tokens
 
     @property
     def token_ids(self) -> list[int]:
