@@ -75,9 +75,6 @@ def test_methods_the_model_cannot_run_are_refused(tiny_models):
     base = engine_config(tiny_models["llama"], kv_cache_memory=2**20)
     with pytest.raises(ConfigError, match="MTP"):
         build_engine(_with_spec(base, mtp))
-    hybrid = engine_config(tiny_models["qwen3_next"], kv_cache_memory=2**20)
-    with pytest.raises(ConfigError, match="not available yet"):
-        build_engine(_with_spec(hybrid, mtp))
 
 
 # ---- the n-gram proposer -------------------------------------------------------------------

@@ -84,9 +84,12 @@ class StateMetadata:
 class AttentionMetadata:
     """A backend's metadata for one step, built once and read by every attention layer. The
     model passes it through untouched; Dynamo traces it as an input of the compiled forward.
-    For a hybrid model the runner adds `state`, which its Gated DeltaNet layers read."""
+    For a hybrid model the runner adds `state`, which its Gated DeltaNet layers read; for an
+    MTP head, `mtp_hidden`."""
 
     state: StateMetadata | None = None
+    # an MTP head's input beside each token: the hidden state of the token before it
+    mtp_hidden: torch.Tensor | None = None
 
     # field name -> the dimensions that change from step to step (marked dynamic for Dynamo,
     # so one compilation serves every batch)
@@ -94,6 +97,8 @@ class AttentionMetadata:
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         own = [(getattr(self, name), dims) for name, dims in self.dynamic_dims.items()]
+        if self.mtp_hidden is not None:
+            own.append((self.mtp_hidden, (0,)))
         return own + (self.state.dynamic_tensors() if self.state is not None else [])
 
 

@@ -45,7 +45,7 @@ from kiln.errors import ConfigError
 from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import ModelSource, open_model
 from kiln.loader.tokenizer import Tokenizer
-from kiln.models import build_model
+from kiln.models import build_model, build_on
 from kiln.models.interface import CausalModel
 from kiln.models.weights import describe_weights, load_weights, weight_summary
 from kiln.runner.input_buffers import InputBuffers
@@ -76,7 +76,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
         )
         attn_backend = select_attention(config, source.config, device)
         model = load_model(source, attn_backend, config, device)
-        draft = load_draft(config, source.config, device, load_model)
+        draft = load_draft(config, model, device, load_model)
     entry: CompileCacheEntry | None = None
     try:
         with phases.phase("plan"):
@@ -99,7 +99,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
             config, source.config, tokenizer, runner, num_blocks, max_model_len, boot
         )
         if draft is not None:
-            engine.speculator.draft_model = finish_draft(draft, config, num_blocks, config.seed)
+            engine.speculator.draft_model = finish_draft(draft, config, num_blocks, runner)
         with phases.phase("warm_up"):  # compiles in mode 3
             warm_up(engine, runner)
             _seal(entry, runner)
@@ -127,13 +127,7 @@ def load_model(
     source: ModelSource, attn_backend: AttentionBackend, config: EngineConfig, device: torch.device
 ) -> CausalModel:
     dtype = torch_dtype(config)
-    default_dtype = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = build_model(source.config, attn_backend)
-    finally:
-        torch.set_default_dtype(default_dtype)
+    model = build_on(device, dtype, lambda: build_model(source.config, attn_backend))
     load_weights(model, source.tensors(dtype, keep_packed=config.quantization == "auto"))
     model.finalize(device)
     keep_dense_copies(model, dtype, device, config.prefill_weights)

@@ -199,6 +199,7 @@ class LLMEngine:
         start = time.perf_counter()
         sampled = self.runner.execute(batch)
         rejected = self._rejected(sampled, time.perf_counter() - start)
+        starts = [seq.num_computed_tokens for seq in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             lost = rejected.get(seq, 0)
             # a hybrid's state after a rejected draft was put back to the step's start (the
@@ -210,6 +211,9 @@ class LLMEngine:
                 self.blocks.trim(seq)
             self.blocks.register_computed_blocks(seq)
         self.num_steps += 1
+        if self.speculator is not None:  # an MTP head runs over what the target kept
+            new_tokens = dict(zip(sampled.seqs, sampled.token_ids))
+            self.speculator.follow(batch.seqs, starts, new_tokens, self.runner.last_step)
         self._append(sampled)
         outputs = []
         for request_id in dict.fromkeys(s.request_id for s in sampled.seqs):

@@ -47,6 +47,9 @@ class Sequence:
     spec_token_ids: list[int] = field(default_factory=list)
     spec_probs: torch.Tensor | None = None
     draft_computed: int = 0
+    # an MTP head's output at the last computed position (with how many tokens were computed
+    # then): the first draft's logits come from it
+    mtp_hidden: tuple[int, torch.Tensor] | None = None
     num_cached_tokens: int | None = None  # prefix-cache hit at first admission
     logprobs: list[Logprobs] = field(default_factory=list)
     cumulative_logprob: float = 0.0

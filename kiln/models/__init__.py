@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
 from kiln.attention import AttentionBackend
 from kiln.errors import ModelLoadError
 from kiln.models.config import HYBRID_ARCHITECTURES, SUPPORTED_ARCHITECTURES, ModelConfig
@@ -22,4 +27,18 @@ def build_model(cfg: ModelConfig, backend: AttentionBackend) -> CausalModel:
     return _MODEL_CLASSES[cfg.architecture](cfg, backend)
 
 
-__all__ = ["SUPPORTED_ARCHITECTURES", "CausalModel", "ModelConfig", "build_model"]
+T = TypeVar("T")
+
+
+def build_on(device: torch.device, dtype: torch.dtype, factory: Callable[[], T]) -> T:
+    """`factory()` with its parameters created on `device` in `dtype`."""
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return factory()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+__all__ = ["SUPPORTED_ARCHITECTURES", "CausalModel", "ModelConfig", "build_model", "build_on"]

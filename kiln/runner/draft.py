@@ -73,7 +73,7 @@ class DraftModelProposer:
         probs: list[list[torch.Tensor]] = [[] for _ in seqs]
         active = list(range(len(seqs)))
         while True:
-            tokens, q = self._draw(logits, [views[i] for i in active])
+            tokens, q = draw_drafts(logits, [views[i] for i in active], self.eos, self.generator)
             for i, t, row in zip(active, tokens, q):
                 drafts[i].append(t)
                 if row is not None:
@@ -116,22 +116,12 @@ class DraftModelProposer:
             view.num_computed_tokens += 1
         return logits
 
-    def _draw(
-        self, logits: torch.Tensor, views: list[DraftView]
-    ) -> tuple[list[int], list[torch.Tensor | None]]:
-        """Each view's next draft: the argmax, or a draw from its shaped distribution."""
-        vocab = logits.shape[1]
-        batch = SamplingBatch.build(views, vocab, logits.device)  # type: ignore[arg-type]
-        shaped = shape_logits(logits, batch, self.eos)
-        tokens = shaped.argmax(-1)
-        q: list[torch.Tensor | None] = [None] * len(views)
-        rows = sampled_rows(batch)
-        if rows:
-            probs = sampling_probs(shaped, batch, rows)
-            tokens[rows] = draw(probs, [views[i] for i in rows], self.generator)
-            for j, i in enumerate(rows):
-                q[i] = probs[j]
-        return tokens.tolist(), q
+    @staticmethod
+    def ready(seq: Sequence) -> bool:
+        return True
+
+    def follow(self, seqs, starts, new_tokens, target_step) -> None:
+        """Nothing to do after a target step: it catches up from the tokens when it drafts."""
 
     def warmed_up(self) -> None:
         self.runner.reset_counters()
@@ -142,3 +132,22 @@ class DraftModelProposer:
 
     def release_memory(self) -> None:
         self.runner.release_memory()
+
+
+def draw_drafts(
+    logits: torch.Tensor, views: list[DraftView], eos: frozenset[int], generator: torch.Generator
+) -> tuple[list[int], list[torch.Tensor | None]]:
+    """Each view's next draft: the argmax, or a draw from its distribution shaped by the
+    request's own parameters (returned too: verification's q)."""
+    vocab = logits.shape[1]
+    batch = SamplingBatch.build(views, vocab, logits.device)  # type: ignore[arg-type]
+    shaped = shape_logits(logits, batch, eos)
+    tokens = shaped.argmax(-1)
+    q: list[torch.Tensor | None] = [None] * len(views)
+    rows = sampled_rows(batch)
+    if rows:
+        probs = sampling_probs(shaped, batch, rows)
+        tokens[rows] = draw(probs, [views[i] for i in rows], generator)
+        for j, i in enumerate(rows):
+            q[i] = probs[j]
+    return tokens.tolist(), q

@@ -23,6 +23,7 @@ class BatchRow:
     state_slot: int = -1  # hybrid models: the slot of its Gated DeltaNet states
     checkpoint_at: int = -1  # save the state after this many of its tokens (-1: not now)
     checkpoint_entry: int = -1  # into this checkpoint
+    hidden: torch.Tensor | None = None  # an MTP head's: a hidden state per token [n, H]
 
 
 class InputBuffers:
@@ -33,9 +34,11 @@ class InputBuffers:
         max_blocks_per_seq: int,
         block_size: int,
         device: torch.device,
+        hidden: tuple[int, torch.dtype] | None = None,
     ) -> None:
         """`max_seqs`: rows of a step (with speculative decoding, its sequences times the
-        1 + k positions each verifies)."""
+        1 + k positions each verifies); `hidden`: the width and dtype of a hidden-state input
+        per token (an MTP head's)."""
 
         def buf(n: int, dtype: torch.dtype) -> torch.Tensor:
             return torch.zeros(n, dtype=dtype, device=device)
@@ -52,6 +55,9 @@ class InputBuffers:
         self.checkpoint_entries = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
+        self.hidden: torch.Tensor | None = None
+        if hidden is not None:
+            self.hidden = torch.zeros(max_tokens, hidden[0], dtype=hidden[1], device=device)
 
     @property
     def max_tokens(self) -> int:
@@ -87,6 +93,8 @@ class InputBuffers:
         self.write(self.block_tables, tables)
         tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
         self.write(self.query_start_loc, starts + tail)
+        if self.hidden is not None:
+            self._write_hidden(rows)
         return self.layout(len(rows), width, len(ids), len(ids), num_decodes, max(lens))
 
     def pad(self, layout: BatchLayout, size: int) -> BatchLayout:
@@ -99,6 +107,8 @@ class InputBuffers:
         self.input_ids[start:size] = 0
         self.positions[start:size] = 0
         self.slot_mapping[start:size] = -1
+        if self.hidden is not None:
+            self.hidden[start:size] = 0
         width = layout.block_tables.shape[1]
         return self.layout(b, width, size, layout.num_actual_tokens, layout.num_decodes,
                            layout.max_seq_len)  # fmt: skip
@@ -129,6 +139,12 @@ class InputBuffers:
             query_start_loc_buffer=self.query_start_loc,
             block_tables_buffer=self.block_tables,
         )
+
+    def _write_hidden(self, rows: list[BatchRow]) -> None:
+        if any(row.hidden is None for row in rows):
+            raise ValueError("this runner's model reads a hidden state per token: rows need one")
+        hidden = torch.cat([row.hidden for row in rows])
+        self.hidden[: hidden.shape[0]].copy_(hidden)
 
     @staticmethod
     def write(buffer: torch.Tensor, values: list[int]) -> torch.Tensor:

@@ -28,20 +28,12 @@ from kiln.models.interface import CausalModel
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
+from kiln.runner.step_inputs import StepInputs, sample_rows_of, seq_starts_of
 from kiln.runner.verify import verify
 
 logger = logging.getLogger(__name__)
 
 LogitsObserver = Callable[[list[Sequence], torch.Tensor], None]
-
-
-@dataclass
-class StepInputs:
-    layout: BatchLayout  # unpadded: the batch's own tokens
-    query_lens: list[int]  # per request, in layout order
-    sample_rows: torch.Tensor  # index of the last token of each sampling sequence
-    sampling_seqs: list[Sequence]
-    drafts: list[list[int]]  # per sampling sequence: the speculative tokens it verifies
 
 
 @dataclass(frozen=True)
@@ -80,6 +72,9 @@ class ModelRunner:
         self.sampling = sampling
         self.generator = torch.Generator(device).manual_seed(sampling.seed)
         self.logits_observer: LogitsObserver | None = None  # tests: the logits tokens came from
+        # an MTP proposer reads the hidden state of every token of the last step
+        self.keep_hidden = False
+        self.last_step: tuple[StepInputs, torch.Tensor] | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.linear_layers = model.linear_layers()
         # per GDN layer: (conv, recurrent) of the slots, then of the checkpoints
@@ -183,11 +178,22 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
         """Run the batch; the logits of its sample rows (None when no sequence samples)."""
+        inputs, hidden = self.forward_hidden(batch)
+        if hidden is None:
+            return inputs, None
+        return inputs, self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def forward_hidden(self, batch: ScheduledBatch) -> tuple[StepInputs, torch.Tensor | None]:
+        """Run the batch; the final hidden states of its sample rows (None when no sequence
+        samples). With `keep_hidden`, every token's stays readable until the next step."""
         inputs = self.prepare(batch)
         hidden = self._run(inputs)
+        if self.keep_hidden:  # a graph's output buffer: valid until the next replay
+            self.last_step = inputs, hidden[: inputs.layout.num_actual_tokens]
         if not inputs.sampling_seqs:
             return inputs, None
-        return inputs, self.model.compute_logits(hidden[inputs.sample_rows])
+        return inputs, hidden[inputs.sample_rows]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> SampledTokens:
@@ -234,8 +240,9 @@ class ModelRunner:
         as_rows = self.attn_backend.drafts_as_decode_rows and not self.linear_layers
         rows: list[BatchRow] = []
         owners: list[int] = []  # per row: the sampling sequence it samples for, or -1
+        row_seqs: list[int] = []  # per row: its sequence's index in the batch
         sampling, drafts = [], []
-        for seq, n in zip(batch.seqs, batch.num_tokens):
+        for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             first = seq.num_computed_tokens
             num_drafts = max(0, first + n - seq.num_tokens)
             tokens = seq.token_ids[first : first + n] + seq.spec_token_ids[:num_drafts]
@@ -251,30 +258,21 @@ class ModelRunner:
             if num_drafts and as_rows:
                 rows += [BatchRow([t], first + j, seq.block_table) for j, t in enumerate(tokens)]
                 owners += [owner] * len(tokens)
+                row_seqs += [index] * len(tokens)
             else:
                 rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
-                                     seq.checkpoint_at, seq.checkpoint_entry))  # fmt: skip
+                                     seq.checkpoint_at, seq.checkpoint_entry,
+                                     getattr(seq, "hidden_in", None)))  # fmt: skip
                 owners.append(owner)
+                row_seqs.append(index)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
         rows, owners = [rows[i] for i in order], [owners[i] for i in order]
-        sample_rows = self._sample_rows(rows, owners, drafts)
+        sample_rows = sample_rows_of(rows, owners, drafts)
         query_lens = [len(row.token_ids) for row in rows]
         layout = self.buffers.fill(rows, query_lens.count(1))
         sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
-        return StepInputs(layout, query_lens, sample_at, sampling, drafts)
-
-    @staticmethod
-    def _sample_rows(rows: list[BatchRow], owners: list[int], drafts: list[list[int]]):
-        """Token indices whose logits are sampled, grouped by sequence in sampling order: a
-        row's last token, or the last 1 + k of a row that verifies k drafts."""
-        per_seq: list[list[int]] = [[] for _ in drafts]
-        end = 0
-        for row, owner in zip(rows, owners):
-            end += len(row.token_ids)
-            if owner >= 0:
-                n = min(len(row.token_ids), 1 + len(drafts[owner]))
-                per_seq[owner].extend(range(end - n, end))
-        return [i for rows_of_seq in per_seq for i in rows_of_seq]
+        starts = seq_starts_of(query_lens, [row_seqs[i] for i in order], len(batch.seqs))
+        return StepInputs(layout, query_lens, sample_at, sampling, drafts, starts)
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
@@ -307,6 +305,8 @@ class ModelRunner:
         meta = self.attn_builder.build(layout)
         if self.linear_layers:
             meta.state = StateMetadata.of(layout)
+        if self.buffers.hidden is not None:
+            meta.mtp_hidden = self.buffers.hidden[: layout.num_tokens]
         return self.buffers.input_ids[: layout.num_tokens], layout.positions, meta
 
     def _record_miss(self, wanted: Dispatch) -> None:

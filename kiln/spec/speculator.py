@@ -27,12 +27,7 @@ def check_speculation(config: SpeculativeConfig | None, model: ModelConfig) -> N
     """Refuse what this model cannot speculate with, naming what can."""
     if config is None:
         return
-    if config.method == "mtp" and model.is_hybrid:
-        raise ConfigError(
-            f'"method": "mtp" is not available yet: {model.architecture}\'s mtp.* tensors are '
-            'loaded but kiln does not run them. Use "ngram" or "draft_model"'
-        )
-    if config.method == "mtp":
+    if config.method == "mtp" and not model.is_hybrid:  # the hybrids' checkpoints carry one
         raise ConfigError(
             f'"method": "mtp" needs a model with MTP (mtp.*) weights; {model.architecture} has '
             'none. Use "ngram" or "draft_model"'
@@ -69,13 +64,29 @@ class SpecDecodeStats:
 
 
 class DraftModel(Protocol):
-    """A smaller model that drafts by decoding (kiln.runner.draft builds one)."""
+    """A model that drafts by decoding: a smaller model (kiln.runner.draft) or the
+    checkpoint's MTP head (kiln.runner.mtp)."""
+
+    def follow(
+        self,
+        seqs: list[Sequence],
+        starts: list[int],
+        new_tokens: dict[Sequence, list[int]],
+        target_step: tuple[Any, torch.Tensor] | None,
+    ) -> None:
+        """After each target step: the sequences of its batch, their computed tokens before
+        it, the tokens it kept for each, and the target's step inputs and hidden states."""
+        ...
 
     def propose(
         self, seqs: list[Sequence], counts: list[int]
     ) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         """`counts[i]` drafts for each sequence after its tokens, and for each sampled one the
         distributions [count, V] they were drawn from (None for greedy ones)."""
+        ...
+
+    def ready(self, seq: Sequence) -> bool:
+        """Whether it can draft for `seq` now."""
         ...
 
     def graph_stats(self) -> dict[str, Any]:
@@ -97,7 +108,7 @@ class Speculator:
         self.config, self.max_model_len, self.pad_drafts = config, max_model_len, pad_drafts
         k = config.num_speculative_tokens
         self.stats = SpecDecodeStats(accepted_per_position=[0] * k)
-        self.draft_model: DraftModel | None = None  # method draft_model: set by the boot
+        self.draft_model: DraftModel | None = None  # draft_model and mtp: set by the boot
 
     def propose(self, running: list[Sequence]) -> None:
         """Set the drafts of every running sequence that decodes next step."""
@@ -123,8 +134,8 @@ class Speculator:
         if limit < 1:
             return []
         ids = seq.token_ids
-        if cfg.method == "draft_model":  # places: the draft model fills those scheduled
-            return [ids[-1]] * limit
+        if cfg.method != "ngram":  # places: the drafter fills those scheduled
+            return [ids[-1]] * limit if self.draft_model.ready(seq) else []
         drafts = propose_ngram(ids, max(useful, 0), cfg.prompt_lookup_min, cfg.prompt_lookup_max)
         if self.pad_drafts:
             drafts += [drafts[-1] if drafts else ids[-1]] * (limit - len(drafts))
@@ -143,6 +154,20 @@ class Speculator:
         tokens, probs = self.draft_model.propose(seqs, counts)
         for seq, ids, q in zip(seqs, tokens, probs):
             seq.spec_token_ids, seq.spec_probs = ids, q
+        self.stats.draft_s += time.perf_counter() - start
+
+    def follow(
+        self,
+        seqs: list[Sequence],
+        starts: list[int],
+        new_tokens: dict[Sequence, list[int]],
+        target_step: tuple[Any, torch.Tensor] | None,
+    ) -> None:
+        """After a target step (see DraftModel.follow), timed as drafting."""
+        if self.draft_model is None:
+            return
+        start = time.perf_counter()
+        self.draft_model.follow(seqs, starts, new_tokens, target_step)
         self.stats.draft_s += time.perf_counter() - start
 
     def record(self, num_drafts: list[int], num_rejected: list[int], seconds: float) -> None:
