@@ -215,35 +215,11 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
     return str(path)
 
 
-def add_mtp_head(source: str, path: str, seed: int = 1) -> str:
-    """A copy of a tiny hybrid checkpoint with a random multi-token-prediction head, named as
-    Qwen3-Next and Qwen3.5 ship theirs: `mtp.fc` [H, 2H], the two pre-fc norms, one decoder
-    layer shaped as the checkpoint's full-attention layer (experts where it has them) and a
-    final norm."""
-    from safetensors.torch import load_file, save_file
-
-    shutil.copytree(source, path)
-    tensors = load_file(os.path.join(path, "model.safetensors"))
-    g = torch.Generator().manual_seed(seed)
-    attention_layer = "model.layers.1."  # the tiny hybrids: linear_attention, full_attention
-    mtp = {}
-    for name, t in tensors.items():
-        if name.startswith(attention_layer):
-            scale = 0.1 if t.dim() == 1 else 0.05  # norms: offsets from one; weights: HF's init
-            mtp["mtp.layers.0." + name.removeprefix(attention_layer)] = (
-                torch.randn(t.shape, generator=g) * scale
-            )
-    h = TINY["hidden_size"]
-    mtp["mtp.fc.weight"] = torch.randn(h, 2 * h, generator=g) * 0.05
-    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
-        mtp[f"mtp.{norm}.weight"] = torch.randn(h, generator=g) * 0.1
-    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"))
-    return path
-
-
 @pytest.fixture(scope="session")
 def mtp_models(tiny_models, tmp_path_factory) -> dict[str, str]:
     """The tiny hybrids with an MTP head: with experts (qwen3_next) and dense (qwen3_5)."""
     root = tmp_path_factory.mktemp("mtp")
+    from tests.helpers import add_mtp_head
+
     names = ("qwen3_next", "qwen3_5")
     return {name: add_mtp_head(tiny_models[name], str(root / name)) for name in names}

@@ -4,7 +4,9 @@ logits each sampled token came from."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import shutil
 import sys
 from collections import defaultdict
 from types import ModuleType
@@ -105,3 +107,32 @@ def load_benchmark(name: str) -> ModuleType:
     sys.modules[spec.name] = module  # what dataclasses look their module up in
     spec.loader.exec_module(module)
     return module
+
+
+def add_mtp_head(source: str, path: str, seed: int = 1) -> str:
+    """A copy of a hybrid checkpoint with a random multi-token-prediction head, named as
+    Qwen3-Next and Qwen3.5 ship theirs: `mtp.fc` [H, 2H], the two pre-fc norms, one decoder
+    layer shaped as the checkpoint's first full-attention layer (experts where it has them)
+    and a final norm."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, path)
+    with open(os.path.join(path, "config.json")) as f:
+        layer_types = json.load(f)["layer_types"]
+    tensors = load_file(os.path.join(path, "model.safetensors"))
+    g = torch.Generator().manual_seed(seed)
+    attention_layer = f"model.layers.{layer_types.index('full_attention')}."
+    mtp = {}
+    for name, t in tensors.items():
+        if name.startswith(attention_layer):
+            scale = 0.1 if t.dim() == 1 else 0.05  # norms: offsets from one; weights: HF's init
+            mtp["mtp.layers.0." + name.removeprefix(attention_layer)] = (
+                torch.randn(t.shape, generator=g, dtype=torch.float32) * scale
+            ).to(t.dtype)
+    h = tensors["model.embed_tokens.weight"].shape[1]
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    mtp["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) * 0.05).to(dtype)
+    for norm in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):
+        mtp[f"mtp.{norm}.weight"] = (torch.randn(h, generator=g) * 0.1).to(dtype)
+    save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"))
+    return path

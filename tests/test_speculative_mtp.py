@@ -156,16 +156,20 @@ def test_mtp_drafts_are_accepted_when_sampling_hot(mtp_models):
     assert all(len(tokens) == 20 for tokens in runs[0].values())
 
 
-def test_mtp_steps_follow_their_own_graph_plan(mtp_models):
-    """PIECEWISE graphs (the hybrid's Gated DeltaNet op runs between pieces): the target
-    verifies runs of 1 + k tokens, the head catches up and chains in graphs of its own plan;
+@pytest.mark.parametrize(
+    ("graph_mode", "mode", "backend"),
+    [("PIECEWISE", 3, "torch"), ("FULL_AND_PIECEWISE", 3, "triton")],
+)
+def test_mtp_steps_follow_their_own_graph_plan(mtp_models, graph_mode, mode, backend):
+    """On the emulated graph backend: the target verifies runs of 1 + k tokens, the head
+    catches up and chains in graphs of its own plan (its chained steps are one-token decodes);
     no misses for either, eager's tokens."""
     from tests.test_graphs import _engine, _workload
 
     path = mtp_models["qwen3_next"]
-    eager = _engine(path, "NONE", 0, "torch", graphs=False, kv=2**20)
+    eager = _engine(path, "NONE", 0, backend, graphs=False, kv=2**20)
     want, _ = run_schedule(eager, _workload())
-    base = _engine(path, "PIECEWISE", 3, "torch", kv=2**20)
+    base = _engine(path, graph_mode, mode, backend, kv=2**20)
     config = _mtp(base.config, k=2)
     base.close()
     engine = build_engine(config, graph_backend=EmulatedGraphBackend())
@@ -174,9 +178,10 @@ def test_mtp_steps_follow_their_own_graph_plan(mtp_models):
         assert got[rid].outputs[0].token_ids == want[rid].outputs[0].token_ids, rid
     st = engine.stats()
     assert st.spec_decode["num_drafts"] > 0
-    assert st.graphs["graph_misses"] == 0 and st.graphs["steps"]["PIECEWISE"] > 0
+    decode = engine.plan.decode_mode.value
+    assert st.graphs["graph_misses"] == 0 and st.graphs["steps"][decode] > 0
     head = st.spec_decode["draft_graphs"]
-    assert head["graph_misses"] == 0 and head["steps"]["PIECEWISE"] > 0
+    assert head["graph_misses"] == 0 and head["steps"][decode] > 0, head
     _free_everything(engine)
 
 

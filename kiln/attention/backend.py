@@ -41,6 +41,9 @@ class BatchLayout:
     # checkpoint (hybrid prefix caching; -1: not this step)
     checkpoint_at: torch.Tensor
     checkpoint_entries: torch.Tensor
+    # [B] int32: 1 where a request's state after each of its tokens but the last is kept too
+    # (a hybrid verifying drafts: the state at the last accepted one is taken back)
+    position_states: torch.Tensor
     num_actual_tokens: int
     num_decodes: int
     max_seq_len: int
@@ -71,11 +74,13 @@ class StateMetadata:
     state_slots: torch.Tensor  # [B] int32
     checkpoint_at: torch.Tensor  # [B] int32, see BatchLayout
     checkpoint_entries: torch.Tensor  # [B] int32
+    position_states: torch.Tensor  # [B] int32, see BatchLayout
 
     @classmethod
     def of(cls, layout: BatchLayout) -> StateMetadata:
         return cls(layout.query_start_loc, layout.seq_lens, layout.state_slots,
-                   layout.checkpoint_at, layout.checkpoint_entries)  # fmt: skip
+                   layout.checkpoint_at, layout.checkpoint_entries,
+                   layout.position_states)  # fmt: skip
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
         return [(t, (0,)) for t in vars(self).values()]

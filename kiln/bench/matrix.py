@@ -138,6 +138,8 @@ async def bench_server(
     spec = spec_decode_delta(
         info.get("spec_decode"), (await engine_info(client)).get("spec_decode")
     )
+    if spec and spec_config:
+        spec["method"] = spec_config["method"]
     for result in results:
         result.server = dict(info) | ({"spec_decode": spec} if spec else {})
     return results

@@ -134,8 +134,9 @@ def _run_notes(run: RunResult) -> list[str]:
     spec = run.server.get("spec_decode")
     if spec:
         per_pos = ", ".join(f"{a:.0%}" for a in spec["acceptance_per_position"])
+        method = f" ({spec['method']})" if spec.get("method") else ""
         lines.append(
-            f"- speculative decoding: acceptance {spec['acceptance_rate']:.1%} of "
+            f"- speculative decoding{method}: acceptance {spec['acceptance_rate']:.1%} of "
             f"{spec['num_draft_tokens']} draft tokens, mean accepted length "
             f"{spec['mean_accepted_length']:.2f}, per position {per_pos}"
         )

@@ -17,6 +17,7 @@ from kiln.boot.draft import (
     draft_bytes_per_block,
     finish_draft,
     load_draft,
+    measure_draft_graphs,
 )
 from kiln.boot.host_memory import keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
@@ -90,7 +91,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
                 build_draft_runner(draft, config, max_model_len, tokenizer, device, graph_backend)
         capture = GraphCapture(runner)
         with phases.phase("measure_graph_memory"):
-            reserved = capture.measure(dtype)
+            reserved = capture.measure(dtype) + measure_draft_graphs(draft, dtype)
         with phases.phase("allocate_kv_cache"):
             num_blocks = _allocate_kv_cache(config, source, capture, max_model_len, reserved,
                                             draft_bytes_per_block(draft, config))  # fmt: skip
@@ -189,7 +190,8 @@ def _runner(
         model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
     )
     if model.config.is_hybrid and config.speculative is not None:
-        runner.snapshot_offset = sched.max_num_seqs
+        runner.position_stride = sched.max_num_seqs
+        runner.num_position_states = config.speculative.num_speculative_tokens
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
 
@@ -205,8 +207,8 @@ def _allocate_kv_cache(
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
-    # a hybrid's state entries beyond one slot per sequence: checkpoints, snapshots
-    checkpoints = runner.num_state_checkpoints + runner.snapshot_offset
+    # a hybrid's state entries beyond one slot per sequence: checkpoints, per-position states
+    checkpoints = runner.num_state_checkpoints + runner.position_stride * runner.num_position_states
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,

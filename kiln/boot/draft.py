@@ -23,7 +23,7 @@ from kiln.loader.tokenizer import Tokenizer
 from kiln.models import build_on
 from kiln.models.config import ModelConfig
 from kiln.models.mtp import MTPHead, mtp_config
-from kiln.models.weights import load_weights
+from kiln.models.weights import load_weights, weight_summary
 from kiln.runner.draft import DraftModelProposer
 from kiln.runner.input_buffers import InputBuffers
 from kiln.runner.model_runner import ModelRunner, Sampling
@@ -79,6 +79,9 @@ def _mtp_head(config: EngineConfig, target_model, device: torch.device) -> Loade
     load_weights(head, [(name.removeprefix("mtp."), t) for name, t in tensors.items()])
     head.finalize(device)
     tensors.clear()
+    if hasattr(target_model, "weight_summary"):  # `kiln info`'s rows: the head's weights too
+        rows = [(f"MTP head, {fmt}", n, b) for fmt, n, b in weight_summary(head)]
+        target_model.weight_summary = [*target_model.weight_summary, *rows]
     experts = "with experts" if cfg.sparse_layers else "dense"
     logger.info("MTP head: one gated-attention layer (%s), sharing the target's embedding "
                 "and LM head", experts)  # fmt: skip
@@ -132,6 +135,11 @@ def finish_draft(
         target_runner.keep_hidden = True  # the head reads every token's hidden state
         return MTPProposer(runner, eos, generator)
     return DraftModelProposer(runner, config.scheduler.max_num_batched_tokens, eos, generator)
+
+
+def measure_draft_graphs(draft: LoadedDraft | None, dtype: torch.dtype) -> int:
+    """The drafter's graph memory, measured as the target's is: reserved before KV sizing."""
+    return GraphCapture(draft.runner).measure(dtype) if draft is not None else 0
 
 
 def capture_draft_graphs(draft: LoadedDraft | None) -> None:

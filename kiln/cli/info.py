@@ -104,6 +104,8 @@ def _speculative(config: EngineConfig) -> str:
     how = f"{spec.method}, {spec.num_speculative_tokens} tokens"
     if spec.model:
         how += f" from {spec.model}"
+    if spec.method == "mtp":
+        how += " from the checkpoint's MTP head (mtp.*)"
     if spec.method == "ngram":
         how += f", suffixes of {spec.prompt_lookup_min}-{spec.prompt_lookup_max} tokens"
     return f"{how}; off in steps of more than {spec.batch_size_limit} sequences"

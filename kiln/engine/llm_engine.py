@@ -201,10 +201,7 @@ class LLMEngine:
         rejected = self._rejected(sampled, time.perf_counter() - start)
         starts = [seq.num_computed_tokens for seq in batch.seqs]
         for seq, n in zip(batch.seqs, batch.num_tokens):
-            lost = rejected.get(seq, 0)
-            # a hybrid's state after a rejected draft was put back to the step's start (the
-            # runner): the kept tokens are computed again next step, as a chunk
-            seq.num_computed_tokens += 0 if lost and self.model_config.is_hybrid else n - lost
+            seq.num_computed_tokens += n - rejected.get(seq, 0)
             seq.draft_computed = min(seq.draft_computed, seq.num_computed_tokens)
             if seq.spec_token_ids:
                 seq.spec_token_ids, seq.spec_probs = [], None

@@ -21,15 +21,18 @@ import torch
 import torch.nn.functional as F
 
 
-def recurrent(q, k, v, g, beta, state) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent(q, k, v, g, beta, state, states_after=None) -> tuple[torch.Tensor, torch.Tensor]:
     """q, k: [H, L, Dk]; v: [H, L, Dv]; g, beta: [H, L]; state: [H, Dk, Dv]. Returns the outputs
-    [H, L, Dv] and the state after the last token, all float32."""
+    [H, L, Dv] and the state after the last token, all float32. `states_after`, a list, gets
+    the state after each token too."""
     out = v.new_empty(v.shape)
     for t in range(q.shape[1]):
         state = state * g[:, t].exp()[:, None, None]
         correction = (v[:, t] - torch.einsum("hk,hkv->hv", k[:, t], state)) * beta[:, t, None]
         state = state + k[:, t, :, None] * correction[:, None, :]
         out[:, t] = torch.einsum("hk,hkv->hv", q[:, t], state)
+        if states_after is not None:
+            states_after.append(state)
     return out, state
 
 

@@ -66,14 +66,19 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_states: torch.Tensor | None = None  # [slots, value heads, dk, dv] fp32
         self.saved_conv: torch.Tensor | None = None  # the same, per prefix-cache checkpoint
         self.saved_recurrent: torch.Tensor | None = None
+        # speculative decoding: the state of slot s after j tokens of a verified run is kept
+        # in slot s + j * position_stride (0: no such slots)
+        self.position_stride = 0
 
     def bind_states(
         self, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
-        saved_conv: torch.Tensor, saved_recurrent: torch.Tensor,
+        saved_conv: torch.Tensor, saved_recurrent: torch.Tensor, position_stride: int = 0,
     ) -> None:  # fmt: skip
-        """The slots' states, and the prefix cache's checkpoints of them (none: 0 rows)."""
+        """The slots' states (then, with `position_stride`, the per-position copies of a
+        verified run), and the prefix cache's checkpoints of them (none: 0 rows)."""
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
         self.saved_conv, self.saved_recurrent = saved_conv, saved_recurrent
+        self.position_stride = position_stride
 
     def _project(self, x: torch.Tensor):
         """(q|k|v [T, conv_dim], z [T, hv * dv], b [T, hv], a [T, hv]). Explicit sizes, never
@@ -102,7 +107,8 @@ class GatedDeltaNet(nn.Module):
             mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
             self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
             core, state.query_start_loc, state.seq_lens, state.state_slots,
-            state.checkpoint_at, state.checkpoint_entries, self.key_heads, self.key_dim,
+            state.checkpoint_at, state.checkpoint_entries, state.position_states,
+            self.position_stride, self.key_heads, self.key_dim,
         )  # fmt: skip
         out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(out.view(tokens, hv * dv))
@@ -113,25 +119,33 @@ def _gdn_core(
     conv_states: torch.Tensor, recurrent_states: torch.Tensor, saved_conv: torch.Tensor,
     saved_recurrent: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, state_slots: torch.Tensor, checkpoint_at: torch.Tensor,
-    checkpoint_entries: torch.Tensor, key_heads: int, key_dim: int,
+    checkpoint_entries: torch.Tensor, position_states: torch.Tensor, position_stride: int,
+    key_heads: int, key_dim: int,
 ) -> None:  # fmt: skip
     """Convolution and delta rule per request, each reading and writing its state slot (a
     request's first chunk starts from an empty state), the state copied into a checkpoint
-    after `checkpoint_at` of a request's tokens where one is asked for; rows past the
-    requests' (padding up to a graph's size) are zero."""
+    after `checkpoint_at` of a request's tokens where one is asked for, and, where
+    `position_states` asks, after each of its tokens but the last into slot + j *
+    `position_stride`; rows past the requests' (padding up to a graph's size) are zero."""
     starts = query_start_loc.tolist()
     out[starts[-1] :].zero_()
     step = zip(starts, starts[1:], seq_lens.tolist(), state_slots.tolist(),
-               checkpoint_at.tolist(), checkpoint_entries.tolist())  # fmt: skip
-    for start, end, length, slot, at, entry in step:
+               checkpoint_at.tolist(), checkpoint_entries.tolist(),
+               position_states.tolist())  # fmt: skip
+    for start, end, length, slot, at, entry, per_position in step:
         if length == end - start:  # nothing before this chunk
             conv_states[slot].zero_()
             recurrent_states[slot].zero_()
         split = start + at if at > 0 else end
         for a, b in ((start, split), (split, end)):
             if a < b:
-                _one_request(mixed, decay, beta, conv_weight, conv_states, recurrent_states,
-                             out, a, b, slot, key_heads, key_dim)  # fmt: skip
+                after = _one_request(mixed, decay, beta, conv_weight, conv_states,
+                                     recurrent_states, out, a, b, slot, key_heads, key_dim,
+                                     per_position)  # fmt: skip
+                for j, (conv, recurrent) in enumerate(after, start=a - start + 1):
+                    if j < end - start:  # the last one is the slot's own
+                        conv_states[slot + j * position_stride] = conv
+                        recurrent_states[slot + j * position_stride] = recurrent
             if b == split and at > 0:
                 saved_conv[entry] = conv_states[slot]
                 saved_recurrent[entry] = recurrent_states[slot]
@@ -139,18 +153,28 @@ def _gdn_core(
 
 def _one_request(
     mixed, decay, beta, conv_weight, conv_states, recurrent_states, out, start: int, end: int,
-    slot: int, key_heads: int, key_dim: int,
-) -> None:  # fmt: skip
-    """Rows [start, end) of one request, continuing from its slot's state."""
-    conv, conv_states[slot] = delta_rule.causal_conv(
-        mixed[start:end], conv_weight[:, 0], conv_states[slot]
-    )
+    slot: int, key_heads: int, key_dim: int, per_position: bool = False,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:  # fmt: skip
+    """Rows [start, end) of one request, continuing from its slot's state. With
+    `per_position`, token by token, and returns the (conv, recurrent) state after each."""
+    before = conv_states[slot]
+    # the convolution's inputs, its state first: its window after j tokens ends at the j-th
+    inputs = torch.cat([before, mixed[start:end].t()], dim=1) if per_position else None
+    conv, conv_states[slot] = delta_rule.causal_conv(mixed[start:end], conv_weight[:, 0], before)
     q, k, v = _heads(conv, key_heads, key_dim, out.shape[1], out.shape[2])
-    rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
-    o, recurrent_states[slot] = rule(
-        q, k, v, decay[start:end].t(), beta[start:end].t(), recurrent_states[slot]
-    )
+    g, b = decay[start:end].t(), beta[start:end].t()
+    if per_position:
+        recurrent: list[torch.Tensor] = []
+        o, recurrent_states[slot] = delta_rule.recurrent(q, k, v, g, b, recurrent_states[slot],
+                                                         recurrent)  # fmt: skip
+    else:
+        rule = delta_rule.recurrent if end - start <= DECODE_RULE_UP_TO else delta_rule.chunked
+        o, recurrent_states[slot] = rule(q, k, v, g, b, recurrent_states[slot])
     out[start:end] = o.transpose(0, 1).to(out.dtype)
+    if inputs is None:
+        return []
+    width = before.shape[1]
+    return [(inputs[:, j : j + width], s) for j, s in enumerate(recurrent, start=1)]
 
 
 def _heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, value_dim: int):
@@ -170,8 +194,8 @@ _LIB.define(
     "gdn_core(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
     "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) saved_conv, "
     "Tensor(d!) saved_recurrent, Tensor(e!) out, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, int key_heads, "
-    "int key_dim) -> ()"
+    "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, "
+    "Tensor position_states, int position_stride, int key_heads, int key_dim) -> ()"
 )
 _LIB.impl("gdn_core", _gdn_core, "CompositeExplicitAutograd")
 torch.library.register_fake("kiln::gdn_core", lambda *args: None, lib=_LIB)

@@ -24,6 +24,7 @@ class BatchRow:
     checkpoint_at: int = -1  # save the state after this many of its tokens (-1: not now)
     checkpoint_entry: int = -1  # into this checkpoint
     hidden: torch.Tensor | None = None  # an MTP head's: a hidden state per token [n, H]
+    keep_positions: bool = False  # hybrids: keep the state after each token (see BatchLayout)
 
 
 class InputBuffers:
@@ -53,6 +54,7 @@ class InputBuffers:
         self.state_slots = buf(max_seqs, torch.int32)
         self.checkpoint_at = buf(max_seqs, torch.int32)
         self.checkpoint_entries = buf(max_seqs, torch.int32)
+        self.position_states = buf(max_seqs, torch.int32)
         self.block_tables = buf(max_seqs * max_blocks_per_seq, torch.int32)
         self.sample_rows = buf(max_seqs, torch.long)
         self.hidden: torch.Tensor | None = None
@@ -90,6 +92,7 @@ class InputBuffers:
         self.write(self.state_slots, [row.state_slot for row in rows])
         self.write(self.checkpoint_at, [row.checkpoint_at for row in rows])
         self.write(self.checkpoint_entries, [row.checkpoint_entry for row in rows])
+        self.write(self.position_states, [int(row.keep_positions) for row in rows])
         self.write(self.block_tables, tables)
         tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
         self.write(self.query_start_loc, starts + tail)
@@ -131,6 +134,7 @@ class InputBuffers:
             state_slots=self.state_slots[:num_reqs],
             checkpoint_at=self.checkpoint_at[:num_reqs],
             checkpoint_entries=self.checkpoint_entries[:num_reqs],
+            position_states=self.position_states[:num_reqs],
             block_tables=self.block_tables[: num_reqs * width].view(num_reqs, width),
             num_actual_tokens=num_actual,
             num_decodes=num_decodes,

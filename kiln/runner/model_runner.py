@@ -63,9 +63,11 @@ class ModelRunner:
         (kiln/compiler/precompile.py); `no_trace_file`: why there is none;
         `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py)."""
         self.num_state_checkpoints = num_state_checkpoints
-        # hybrid models with speculative decoding: a second slot per sequence, `snapshot_offset`
-        # past its own, holds its state from before a verification step (set by the boot)
-        self.snapshot_offset = 0
+        # hybrid models with speculative decoding (set by the boot): a verified run of 1 + k
+        # tokens keeps its state after j of them in slot + j * position_stride, j = 1..k, so
+        # that a rejection takes the state at the last kept token back
+        self.position_stride = 0
+        self.num_position_states = 0
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -147,13 +149,14 @@ class ModelRunner:
         then the prefix cache's checkpoints (`num_state_checkpoints`), the convolution's inputs
         in the model's dtype, the delta rule's matrices in float32 (a slot is zeroed when a
         sequence starts in it, a checkpoint written before it is read: empty is enough)."""
-        slots = 2 * self.snapshot_offset or self.buffers.seq_lens.numel()
+        slots = (1 + self.num_position_states) * self.position_stride
+        slots = slots or self.buffers.seq_lens.numel()
         self.state_tensors = []
         for layer in self.linear_layers:
             states = [
                 self._state_tensors(layer, n, dtype) for n in (slots, self.num_state_checkpoints)
             ]
-            layer.bind_states(*states[0], *states[1])
+            layer.bind_states(*states[0], *states[1], self.position_stride)
             self.state_tensors.append(states)
 
     def _state_tensors(self, layer, count: int, dtype: torch.dtype):
@@ -228,8 +231,9 @@ class ModelRunner:
         out = SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
         if self.linear_layers:
             for i, seq in enumerate(seqs):
-                if out.num_rejected(i):  # the state went past the kept tokens: back, recompute
-                    self._copy_slot(seq.state_slot + self.snapshot_offset, seq.state_slot)
+                if out.num_rejected(i):  # the state went past the kept tokens: take theirs
+                    kept = num_drafts[i] - out.num_rejected(i) + 1
+                    self._copy_slot(seq.state_slot + kept * self.position_stride, seq.state_slot)
         return out
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -253,8 +257,6 @@ class ModelRunner:
             if owner >= 0:
                 sampling.append(seq)
                 drafts.append(seq.spec_token_ids[:num_drafts])
-            if num_drafts and self.linear_layers:  # to go back to if a draft is rejected
-                self._copy_slot(seq.state_slot, seq.state_slot + self.snapshot_offset)
             if num_drafts and as_rows:
                 rows += [BatchRow([t], first + j, seq.block_table) for j, t in enumerate(tokens)]
                 owners += [owner] * len(tokens)
@@ -262,7 +264,8 @@ class ModelRunner:
             else:
                 rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
                                      seq.checkpoint_at, seq.checkpoint_entry,
-                                     getattr(seq, "hidden_in", None)))  # fmt: skip
+                                     getattr(seq, "hidden_in", None),
+                                     bool(num_drafts) and bool(self.linear_layers)))  # fmt: skip
                 owners.append(owner)
                 row_seqs.append(index)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
