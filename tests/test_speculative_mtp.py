@@ -158,7 +158,11 @@ def test_mtp_drafts_are_accepted_when_sampling_hot(mtp_models):
 
 @pytest.mark.parametrize(
     ("graph_mode", "mode", "backend"),
-    [("PIECEWISE", 3, "torch"), ("FULL_AND_PIECEWISE", 3, "triton")],
+    [
+        ("PIECEWISE", 3, "torch"),
+        ("FULL_AND_PIECEWISE", 3, "triton"),
+        ("FULL_DECODE_ONLY", 0, "triton"),
+    ],
 )
 def test_mtp_steps_follow_their_own_graph_plan(mtp_models, graph_mode, mode, backend):
     """On the emulated graph backend: the target verifies runs of 1 + k tokens, the head
