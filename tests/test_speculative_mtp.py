@@ -204,3 +204,23 @@ def test_checkpoints_without_a_head_kiln_runs_are_refused(tiny_models, mtp_model
     config = replace(plain.config, model=two_layers)
     with pytest.raises(ConfigError, match="2 decoder layers"):
         build_engine(_mtp(config))
+
+
+def test_the_heads_trace_is_saved_beside_the_targets(mtp_models, tmp_path, monkeypatch):
+    """Mode 3: the drafter's Dynamo trace lies in the target's compile cache entry, so a second
+    boot loads both instead of tracing them again, and decodes the same tokens."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    kwargs = dict(kv_cache_memory=2**20, compilation=CompilationConfig(mode=3), **KW)
+    config = _mtp(make_engine(mtp_models["qwen3_next"], **kwargs).config, k=2)
+    traces, tokens = [], []
+    for _ in range(2):
+        engine = build_engine(config)
+        finals, _ = run_schedule(engine, _tiny_workload()[:2])
+        tokens.append({rid: f.outputs[0].token_ids for rid, f in finals.items()})
+        head = engine.speculator.draft_model.runner
+        traces.append((engine.runner.compile_stats()["dynamo_trace"],
+                       head.compile_stats()["dynamo_trace"]))  # fmt: skip
+        assert engine.stats().spec_decode["draft_graphs"]["recompilations"] == 0
+        engine.close()
+    assert traces == [("traced and saved", "traced and saved"), ("loaded", "loaded")]
+    assert tokens[0] == tokens[1]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -88,7 +89,8 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
                              device)  # fmt: skip
             runner.attach_graphs(graph_backend_for(plan, device, graph_backend))
             if draft is not None:
-                build_draft_runner(draft, config, max_model_len, tokenizer, device, graph_backend)
+                build_draft_runner(draft, config, max_model_len, tokenizer, device, graph_backend,
+                                   trace_place(config, entry))  # fmt: skip
         capture = GraphCapture(runner)
         with phases.phase("measure_graph_memory"):
             reserved = capture.measure(dtype) + measure_draft_graphs(draft, dtype)
@@ -179,12 +181,7 @@ def _runner(
     max_rows = sched.max_num_seqs * verified_tokens_per_seq(config.speculative)
     buffers = InputBuffers(sched.max_num_batched_tokens, max_rows, max_blocks, block_size, device)
     sampling = Sampling(model.config.vocab_size, tokenizer.eos_token_ids, config.seed)
-    if entry is None:
-        trace_entry, no_trace = None, "mode 0"
-    elif not config.compilation.aot_compile:
-        trace_entry, no_trace = None, '"aot_compile": false'
-    else:
-        trace_entry, no_trace = entry.path, ""
+    trace_entry, no_trace = trace_place(config, entry)
     checkpoints = num_state_checkpoints(config, model.config.is_hybrid)
     runner = ModelRunner(
         model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
@@ -194,6 +191,15 @@ def _runner(
         runner.num_position_states = config.speculative.num_speculative_tokens
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
+
+
+def trace_place(config: EngineConfig, entry: CompileCacheEntry | None) -> tuple[Path | None, str]:
+    """Where mode 3 saves Dynamo's trace (the compile cache entry), or why it saves none."""
+    if entry is None:
+        return None, "mode 0"
+    if not config.compilation.aot_compile:
+        return None, '"aot_compile": false'
+    return entry.path, ""
 
 
 def _allocate_kv_cache(

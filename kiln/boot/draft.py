@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
@@ -100,7 +101,10 @@ def build_draft_runner(
     tokenizer: Tokenizer,
     device: torch.device,
     graph_backend: GraphBackend | None,
+    trace: tuple[Path | None, str],
 ) -> ModelRunner:
+    """`trace`: the target's compile cache entry (where the drafter's Dynamo trace is saved
+    beside the target's), or why there is none."""
     own = _own_config(config)
     plan = resolve_plan(own, draft.backend, device, graph_backend, draft.config)
     sched, block_size = own.scheduler, own.cache.block_size
@@ -109,8 +113,8 @@ def build_draft_runner(
     buffers = InputBuffers(sched.max_num_batched_tokens, sched.max_num_seqs,
                            -(-max_model_len // block_size), block_size, device, hidden)  # fmt: skip
     sampling = Sampling(draft.config.vocab_size, tokenizer.eos_token_ids, own.seed)
-    runner = ModelRunner(draft.model, draft.backend, plan, buffers, sampling, device, None,
-                         "the draft model's trace is not saved: traced at every boot")  # fmt: skip
+    runner = ModelRunner(draft.model, draft.backend, plan, buffers, sampling, device, *trace,
+                         trace_role="drafter")  # fmt: skip
     runner.pad_eager_steps = pads_eager_steps(own.eager_step_padding, device.type)
     runner.attach_graphs(graph_backend_for(plan, device, graph_backend))
     draft.runner = runner

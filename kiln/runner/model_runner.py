@@ -58,10 +58,14 @@ class ModelRunner:
         trace_entry: Path | None = None,
         no_trace_file: str = "no compile cache entry",
         num_state_checkpoints: int = 0,
+        trace_role: str = "target",
     ) -> None:
         """`trace_entry`: the compile cache entry where mode 3 keeps Dynamo's trace
         (kiln/compiler/precompile.py); `no_trace_file`: why there is none;
-        `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py)."""
+        `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py);
+        `trace_role`: "target", or "drafter" for a speculative drafter's runner, whose trace
+        lies in the target's entry beside the target's."""
+        self.trace_role = trace_role
         self.num_state_checkpoints = num_state_checkpoints
         # hybrid models with speculative decoding (set by the boot): a verified run of 1 + k
         # tokens keeps its state after j of them in slot + j * position_stride, j = 1..k, so
@@ -104,7 +108,8 @@ class ModelRunner:
         tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
         weights = [(name, list(t.shape), str(t.dtype)) for name, t in tensors]
         block_size = self.buffers.block_size
-        static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights}
+        static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights,
+                  "role": self.trace_role}  # fmt: skip
         if self.linear_layers:  # the state pools are inputs of fixed size: the trace guards them
             static["state_checkpoints"] = self.num_state_checkpoints
         # Dynamo's global-state guard holds the thread count: a trace saved with another would
