@@ -41,8 +41,9 @@ class BatchLayout:
     # checkpoint (hybrid prefix caching; -1: not this step)
     checkpoint_at: torch.Tensor
     checkpoint_entries: torch.Tensor
-    # [B] int32: 1 where a request's state after each of its tokens but the last is kept too
-    # (a hybrid verifying drafts: the state at the last accepted one is taken back)
+    # [B] int32: where a request keeps its state after each of its tokens but the last (the
+    # first of those state rows; -1: it does not): a hybrid verifying drafts, whose state
+    # after the last accepted one is taken back
     position_states: torch.Tensor
     num_actual_tokens: int
     num_decodes: int

@@ -187,8 +187,10 @@ def _runner(
         model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
     )
     if model.config.is_hybrid and config.speculative is not None:
-        runner.position_stride = sched.max_num_seqs
-        runner.num_position_states = config.speculative.num_speculative_tokens
+        # k state rows for each sequence that may verify drafts in a step
+        runner.position_pool_start = sched.max_num_seqs
+        runner.position_pool_seqs = min(sched.max_num_seqs, config.speculative.batch_size_limit)
+        runner.states_per_position_run = config.speculative.num_speculative_tokens
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
 
@@ -214,7 +216,8 @@ def _allocate_kv_cache(
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
     # a hybrid's state entries beyond one slot per sequence: checkpoints, per-position states
-    checkpoints = runner.num_state_checkpoints + runner.position_stride * runner.num_position_states
+    pool = runner.position_pool_seqs * runner.states_per_position_run
+    checkpoints = runner.num_state_checkpoints + pool
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,

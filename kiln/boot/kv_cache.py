@@ -90,8 +90,8 @@ def size_kv_cache(
     if states:
         logger.info(
             "hybrid model: %d KV bytes per token (%d attention layers), %d state bytes per "
-            "sequence (%d Gated DeltaNet layers) x (%d slots + %d prefix-cache checkpoints) = "
-            "%.1f MiB of state",
+            "sequence (%d Gated DeltaNet layers) x (%d slots + %d more: prefix-cache checkpoints "
+            "and speculation's per-token states) = %.1f MiB of state",
             per_block // bs, len(model.attention_layer_ids),
             states // (max_num_seqs + state_checkpoints), len(model.linear_layer_ids),
             max_num_seqs, state_checkpoints, states / 2**20,

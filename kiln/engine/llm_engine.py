@@ -211,6 +211,7 @@ class LLMEngine:
         if self.speculator is not None:  # an MTP head runs over what the target kept
             new_tokens = dict(zip(sampled.seqs, sampled.token_ids))
             self.speculator.follow(batch.seqs, starts, new_tokens, self.runner.last_step)
+            self.runner.last_step = None  # its hidden states: not held through the next step
         self._append(sampled)
         outputs = []
         for request_id in dict.fromkeys(s.request_id for s in sampled.seqs):

@@ -66,19 +66,16 @@ class GatedDeltaNet(nn.Module):
         self.recurrent_states: torch.Tensor | None = None  # [slots, value heads, dk, dv] fp32
         self.saved_conv: torch.Tensor | None = None  # the same, per prefix-cache checkpoint
         self.saved_recurrent: torch.Tensor | None = None
-        # speculative decoding: the state of slot s after j tokens of a verified run is kept
-        # in slot s + j * position_stride (0: no such slots)
-        self.position_stride = 0
 
     def bind_states(
         self, conv_states: torch.Tensor, recurrent_states: torch.Tensor,
-        saved_conv: torch.Tensor, saved_recurrent: torch.Tensor, position_stride: int = 0,
+        saved_conv: torch.Tensor, saved_recurrent: torch.Tensor,
     ) -> None:  # fmt: skip
-        """The slots' states (then, with `position_stride`, the per-position copies of a
-        verified run), and the prefix cache's checkpoints of them (none: 0 rows)."""
+        """The slots' states (then, with speculative decoding, the rows where verified runs
+        keep their state after each token), and the prefix cache's checkpoints of them (none:
+        0 rows)."""
         self.conv_states, self.recurrent_states = conv_states, recurrent_states
         self.saved_conv, self.saved_recurrent = saved_conv, saved_recurrent
-        self.position_stride = position_stride
 
     def _project(self, x: torch.Tensor):
         """(q|k|v [T, conv_dim], z [T, hv * dv], b [T, hv], a [T, hv]). Explicit sizes, never
@@ -108,7 +105,7 @@ class GatedDeltaNet(nn.Module):
             self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
             core, state.query_start_loc, state.seq_lens, state.state_slots,
             state.checkpoint_at, state.checkpoint_entries, state.position_states,
-            self.position_stride, self.key_heads, self.key_dim,
+            self.key_heads, self.key_dim,
         )  # fmt: skip
         out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
         return self.out_proj(out.view(tokens, hv * dv))
@@ -119,20 +116,21 @@ def _gdn_core(
     conv_states: torch.Tensor, recurrent_states: torch.Tensor, saved_conv: torch.Tensor,
     saved_recurrent: torch.Tensor, out: torch.Tensor, query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor, state_slots: torch.Tensor, checkpoint_at: torch.Tensor,
-    checkpoint_entries: torch.Tensor, position_states: torch.Tensor, position_stride: int,
-    key_heads: int, key_dim: int,
+    checkpoint_entries: torch.Tensor, position_states: torch.Tensor, key_heads: int,
+    key_dim: int,
 ) -> None:  # fmt: skip
     """Convolution and delta rule per request, each reading and writing its state slot (a
     request's first chunk starts from an empty state), the state copied into a checkpoint
     after `checkpoint_at` of a request's tokens where one is asked for, and, where
-    `position_states` asks, after each of its tokens but the last into slot + j *
-    `position_stride`; rows past the requests' (padding up to a graph's size) are zero."""
+    `position_states` gives a row (else -1), after its j-th token into that row + j - 1, for
+    each token but the last; rows past the requests' (padding up to a graph's size) are
+    zero."""
     starts = query_start_loc.tolist()
     out[starts[-1] :].zero_()
     step = zip(starts, starts[1:], seq_lens.tolist(), state_slots.tolist(),
                checkpoint_at.tolist(), checkpoint_entries.tolist(),
                position_states.tolist())  # fmt: skip
-    for start, end, length, slot, at, entry, per_position in step:
+    for start, end, length, slot, at, entry, positions_at in step:
         if length == end - start:  # nothing before this chunk
             conv_states[slot].zero_()
             recurrent_states[slot].zero_()
@@ -141,11 +139,11 @@ def _gdn_core(
             if a < b:
                 after = _one_request(mixed, decay, beta, conv_weight, conv_states,
                                      recurrent_states, out, a, b, slot, key_heads, key_dim,
-                                     per_position)  # fmt: skip
+                                     positions_at >= 0)  # fmt: skip
                 for j, (conv, recurrent) in enumerate(after, start=a - start + 1):
                     if j < end - start:  # the last one is the slot's own
-                        conv_states[slot + j * position_stride] = conv
-                        recurrent_states[slot + j * position_stride] = recurrent
+                        conv_states[positions_at + j - 1] = conv
+                        recurrent_states[positions_at + j - 1] = recurrent
             if b == split and at > 0:
                 saved_conv[entry] = conv_states[slot]
                 saved_recurrent[entry] = recurrent_states[slot]
@@ -195,7 +193,7 @@ _LIB.define(
     "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) saved_conv, "
     "Tensor(d!) saved_recurrent, Tensor(e!) out, Tensor query_start_loc, Tensor seq_lens, "
     "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, "
-    "Tensor position_states, int position_stride, int key_heads, int key_dim) -> ()"
+    "Tensor position_states, int key_heads, int key_dim) -> ()"
 )
 _LIB.impl("gdn_core", _gdn_core, "CompositeExplicitAutograd")
 torch.library.register_fake("kiln::gdn_core", lambda *args: None, lib=_LIB)

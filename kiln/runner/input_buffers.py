@@ -24,7 +24,7 @@ class BatchRow:
     checkpoint_at: int = -1  # save the state after this many of its tokens (-1: not now)
     checkpoint_entry: int = -1  # into this checkpoint
     hidden: torch.Tensor | None = None  # an MTP head's: a hidden state per token [n, H]
-    keep_positions: bool = False  # hybrids: keep the state after each token (see BatchLayout)
+    position_states: int = -1  # hybrids: keep the state after each token here (BatchLayout)
 
 
 class InputBuffers:
@@ -92,7 +92,7 @@ class InputBuffers:
         self.write(self.state_slots, [row.state_slot for row in rows])
         self.write(self.checkpoint_at, [row.checkpoint_at for row in rows])
         self.write(self.checkpoint_entries, [row.checkpoint_entry for row in rows])
-        self.write(self.position_states, [int(row.keep_positions) for row in rows])
+        self.write(self.position_states, [row.position_states for row in rows])
         self.write(self.block_tables, tables)
         tail = [starts[-1]] * (self.query_start_loc.numel() - len(starts))
         self.write(self.query_start_loc, starts + tail)

@@ -68,10 +68,12 @@ class ModelRunner:
         self.trace_role = trace_role
         self.num_state_checkpoints = num_state_checkpoints
         # hybrid models with speculative decoding (set by the boot): a verified run of 1 + k
-        # tokens keeps its state after j of them in slot + j * position_stride, j = 1..k, so
-        # that a rejection takes the state at the last kept token back
-        self.position_stride = 0
-        self.num_position_states = 0
+        # tokens keeps its state after each of its first k in a pool of state rows after the
+        # slots (k rows for each of up to `position_pool_seqs` verifying sequences), so that a
+        # rejection takes the state at the last kept token back
+        self.position_pool_start = 0
+        self.position_pool_seqs = 0
+        self.states_per_position_run = 0
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -112,6 +114,8 @@ class ModelRunner:
                   "role": self.trace_role}  # fmt: skip
         if self.linear_layers:  # the state pools are inputs of fixed size: the trace guards them
             static["state_checkpoints"] = self.num_state_checkpoints
+            static["position_states"] = [self.position_pool_start, self.position_pool_seqs,
+                                         self.states_per_position_run]  # fmt: skip
         # Dynamo's global-state guard holds the thread count: a trace saved with another would
         # fail at every boot and be traced again
         static["threads"] = torch.get_num_threads()
@@ -154,14 +158,14 @@ class ModelRunner:
         then the prefix cache's checkpoints (`num_state_checkpoints`), the convolution's inputs
         in the model's dtype, the delta rule's matrices in float32 (a slot is zeroed when a
         sequence starts in it, a checkpoint written before it is read: empty is enough)."""
-        slots = (1 + self.num_position_states) * self.position_stride
-        slots = slots or self.buffers.seq_lens.numel()
+        pool = self.position_pool_seqs * self.states_per_position_run
+        slots = self.position_pool_start + pool if pool else self.buffers.seq_lens.numel()
         self.state_tensors = []
         for layer in self.linear_layers:
             states = [
                 self._state_tensors(layer, n, dtype) for n in (slots, self.num_state_checkpoints)
             ]
-            layer.bind_states(*states[0], *states[1], self.position_stride)
+            layer.bind_states(*states[0], *states[1])
             self.state_tensors.append(states)
 
     def _state_tensors(self, layer, count: int, dtype: torch.dtype):
@@ -210,7 +214,7 @@ class ModelRunner:
         if logits is None:
             return SampledTokens([], [], None)
         if any(inputs.drafts):
-            return self._verify(logits, seqs, inputs.drafts)
+            return self._verify(logits, seqs, inputs.drafts, inputs.position_states)
         if self.logits_observer is not None:
             self.logits_observer(seqs, logits)
         rows = SamplingBatch.build(seqs, self.sampling.vocab_size, self.device)
@@ -218,8 +222,9 @@ class ModelRunner:
         return SampledTokens(seqs, [[t] for t in out.token_ids], out.logprobs)
 
     def _verify(
-        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]]
-    ) -> SampledTokens:
+        self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]],
+        position_states: list[int],
+    ) -> SampledTokens:  # fmt: skip
         # a draft model's distributions, where it drew its drafts (n-gram drafts have none)
         q = [s.spec_probs[: len(d)] if s.spec_probs is not None else None
              for s, d in zip(seqs, drafts)]  # fmt: skip
@@ -238,7 +243,7 @@ class ModelRunner:
             for i, seq in enumerate(seqs):
                 if out.num_rejected(i):  # the state went past the kept tokens: take theirs
                     kept = num_drafts[i] - out.num_rejected(i) + 1
-                    self._copy_slot(seq.state_slot + kept * self.position_stride, seq.state_slot)
+                    self._copy_slot(position_states[i] + kept - 1, seq.state_slot)
         return out
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
@@ -251,6 +256,7 @@ class ModelRunner:
         owners: list[int] = []  # per row: the sampling sequence it samples for, or -1
         row_seqs: list[int] = []  # per row: its sequence's index in the batch
         sampling, drafts = [], []
+        position_states: list[int] = []  # per sampling sequence: see `_position_states`
         for index, (seq, n) in enumerate(zip(batch.seqs, batch.num_tokens)):
             first = seq.num_computed_tokens
             num_drafts = max(0, first + n - seq.num_tokens)
@@ -259,9 +265,11 @@ class ModelRunner:
                 self._restore_state(seq.restore_entry, seq.state_slot)
                 seq.restore_entry = -1
             owner = len(sampling) if first + n >= seq.num_tokens else -1
+            at = self._position_states(position_states) if num_drafts else -1
             if owner >= 0:
                 sampling.append(seq)
                 drafts.append(seq.spec_token_ids[:num_drafts])
+                position_states.append(at)
             if num_drafts and as_rows:
                 rows += [BatchRow([t], first + j, seq.block_table) for j, t in enumerate(tokens)]
                 owners += [owner] * len(tokens)
@@ -269,8 +277,7 @@ class ModelRunner:
             else:
                 rows.append(BatchRow(tokens, first, seq.block_table, seq.state_slot,
                                      seq.checkpoint_at, seq.checkpoint_entry,
-                                     getattr(seq, "hidden_in", None),
-                                     bool(num_drafts) and bool(self.linear_layers)))  # fmt: skip
+                                     getattr(seq, "hidden_in", None), at))  # fmt: skip
                 owners.append(owner)
                 row_seqs.append(index)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i].token_ids) != 1)
@@ -280,7 +287,20 @@ class ModelRunner:
         layout = self.buffers.fill(rows, query_lens.count(1))
         sample_at = InputBuffers.write(self.buffers.sample_rows, sample_rows)
         starts = seq_starts_of(query_lens, [row_seqs[i] for i in order], len(batch.seqs))
-        return StepInputs(layout, query_lens, sample_at, sampling, drafts, starts)
+        return StepInputs(layout, query_lens, sample_at, sampling, drafts, starts, position_states)
+
+    def _position_states(self, taken: list[int]) -> int:
+        """A hybrid's verifying sequence: the first of the pool's state rows its run keeps its
+        per-token states in (the next free k of them); -1 for attention-only models."""
+        if not self.linear_layers:
+            return -1
+        used = sum(1 for at in taken if at >= 0)
+        if used >= self.position_pool_seqs:
+            raise RuntimeError(
+                f"{used + 1} sequences verify drafts in one step, but the state pool holds "
+                f"{self.position_pool_seqs}: the speculator's batch-size limit was not applied"
+            )
+        return self.position_pool_start + used * self.states_per_position_run
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))

@@ -21,11 +21,30 @@ from kiln.runner.model_runner import ModelRunner
 from kiln.runner.step_inputs import StepInputs
 
 
+class ShiftedTokens:
+    """A sequence's tokens from its second on, then `extra`: what the head reads at each
+    position, without copying the history at every step."""
+
+    def __init__(self, tokens: list[int], extra: list[int]) -> None:
+        self.tokens, self.extra = tokens, extra
+
+    def __len__(self) -> int:
+        return len(self.tokens) - 1 + len(self.extra)
+
+    def __getitem__(self, span: slice) -> list[int]:
+        """The tokens at positions [start, stop) (the runner's only use)."""
+        own = len(self.tokens) - 1
+        start, stop = span.start, min(span.stop, len(self))
+        head = self.tokens[start + 1 : min(stop, own) + 1]
+        return head + self.extra[max(start - own, 0) : max(stop - own, 0)]
+
+
 @dataclass(eq=False)
 class MTPView(DraftView):
     """A sequence as the head's runner sees it: `token_ids` shifted by one (position p reads
     token p + 1), and the hidden state that comes with each token it computes now."""
 
+    token_ids: ShiftedTokens  # type: ignore[assignment]
     hidden_in: torch.Tensor | None = None
 
 
@@ -56,7 +75,7 @@ class MTPProposer:
             kept = seq.num_computed_tokens - start
             if kept < 1:
                 continue
-            shifted = seq.token_ids[1:] + new_tokens.get(seq, [])
+            shifted = ShiftedTokens(seq.token_ids, new_tokens.get(seq, []))
             views.append(MTPView(seq, shifted, start, hidden_in=hidden[first : first + kept]))
             counts.append(kept)
         if not views:
@@ -99,7 +118,12 @@ class MTPProposer:
         computed one plus the drafts before it, with the head's previous output; the head's
         new output per sequence."""
         views = [
-            MTPView(s, s.token_ids[1:] + d, s.num_computed_tokens - 1 + len(d), hidden_in=h[None])
+            MTPView(
+                s,
+                ShiftedTokens(s.token_ids, d),
+                s.num_computed_tokens - 1 + len(d),
+                hidden_in=h[None],
+            )
             for s, d, h in zip(seqs, drafts, hidden)
         ]
         # every view samples: its rows come back in the batch's order

@@ -20,6 +20,8 @@ class StepInputs:
     sampling_seqs: list[Sequence]
     drafts: list[list[int]]  # per sampling sequence: the speculative tokens it verifies
     seq_starts: list[int]  # per sequence of the batch: the index of its first token
+    # per sampling sequence: where a hybrid's verified run keeps its per-token states (-1: none)
+    position_states: list[int]
 
 
 def sample_rows_of(rows: list[BatchRow], owners: list[int], drafts: list[list[int]]):
