@@ -400,3 +400,27 @@ def test_hybrid_models_keep_no_rejected_draft_in_their_state(tiny_models, name, 
         assert got["4"].num_cached_tokens > 0
     assert engine.blocks.state_slots.num_free == 8
     _free_everything(engine)
+
+
+def test_a_hybrids_accepted_drafts_leave_prefix_checkpoints(tiny_models):
+    """A block end inside accepted drafts gets its Gated DeltaNet state checkpointed (from the
+    verified run's per-token states), so a later prompt that repeats the generated text hits
+    the prefix cache up to its last block, with the same tokens as without the hit."""
+    kwargs = dict(block_size=4, max_num_batched_tokens=32, max_num_seqs=8, kv_cache_memory=2**20,
+                  max_model_len=64)  # fmt: skip
+    reference = make_engine(tiny_models["qwen3_next"], **kwargs)
+    prompt = [11, 12, 13, 14, 15, 16]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want, _ = run_schedule(reference, [(0, prompt, params)])
+    output = want["0"].outputs[0].token_ids
+    follow_up = prompt + output[:12]
+    short = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want_b, _ = run_schedule(reference, [(0, follow_up, short)])
+    engine = build_engine(_with_spec(reference.config, NGRAM | {"disable_by_batch_size": 8}))
+    # every draft right: the plain run's next tokens
+    engine.speculator._drafts = lambda seq: output[seq.num_output_tokens :][:3]
+    run_schedule(engine, [(0, prompt, params)])
+    assert engine.stats().spec_decode["num_accepted_tokens"] >= 12
+    got, _ = run_schedule(engine, [(0, follow_up, short)])
+    assert got["0"].num_cached_tokens == 16  # the state at 8, 12 and 16 came from drafts
+    assert got["0"].outputs[0].token_ids == want_b["0"].outputs[0].token_ids

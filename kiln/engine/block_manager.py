@@ -130,6 +130,22 @@ class BlockManager:
             seq.checkpoint_at = boundary - first
             seq.checkpoint_entry = self.checkpoints.reserve(block_hash)
 
+    def checkpoint_in_accepted(self, seq: Sequence, kept: int) -> tuple[int, int] | None:
+        """After a verification step whose last `kept` computed tokens include accepted drafts
+        (a step plans its checkpoint within its known token only): the last block end they
+        reach past that token, as (tokens of the step before it, the entry its state goes
+        to), unless that state is saved already."""
+        if self.checkpoints is None:
+            return None
+        first, bs = seq.num_computed_tokens - kept, self.block_size
+        boundary = seq.num_computed_tokens // bs * bs
+        if boundary <= first + 1:
+            return None
+        block_hash = self._hash_chain(seq, boundary // bs)[-1]
+        if self.checkpoints.lookup(block_hash) is not None:
+            return None
+        return boundary - first, self.checkpoints.reserve(block_hash)
+
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
         for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
             after = seq.block_table[-1] + 1 if seq.block_table else -1

@@ -237,8 +237,11 @@ class LLMEngine:
                     self.scheduler.finish(seq)
                     break
             else:
-                if len(tokens) > 1:  # the accepted drafts' full blocks
+                if len(tokens) > 1:  # the accepted drafts' full blocks, and a hybrid's state
                     self.blocks.register_computed_blocks(seq)
+                    saved = self.blocks.checkpoint_in_accepted(seq, len(tokens))
+                    if saved is not None:
+                        self.runner.save_verified_state(seq, *saved)
 
     def forget_warm_up(self) -> None:
         """After the boot's warm-up requests: an empty prefix cache, no steps counted."""

@@ -55,7 +55,24 @@ class DraftView(SequenceView):
         return self.num_tokens - self.seq.num_prompt_tokens
 
 
-class DraftModelProposer:
+class RunnerProposer:
+    """What a drafter with a runner of its own reports and frees."""
+
+    runner: ModelRunner
+
+    def warmed_up(self) -> None:
+        """The boot's warm-up is over: forget its steps, count later compilations."""
+        self.runner.reset_counters()
+        self.runner.mark_warmed_up()
+
+    def graph_stats(self) -> dict:
+        return self.runner.graph_stats()
+
+    def release_memory(self) -> None:
+        self.runner.release_memory()
+
+
+class DraftModelProposer(RunnerProposer):
     def __init__(
         self, runner: ModelRunner, budget: int, eos: frozenset[int], generator: torch.Generator
     ) -> None:
@@ -122,16 +139,6 @@ class DraftModelProposer:
 
     def follow(self, seqs, starts, new_tokens, target_step) -> None:
         """Nothing to do after a target step: it catches up from the tokens when it drafts."""
-
-    def warmed_up(self) -> None:
-        self.runner.reset_counters()
-        self.runner.mark_warmed_up()
-
-    def graph_stats(self) -> dict:
-        return self.runner.graph_stats()
-
-    def release_memory(self) -> None:
-        self.runner.release_memory()
 
 
 def draw_drafts(

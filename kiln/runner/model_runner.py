@@ -74,6 +74,7 @@ class ModelRunner:
         self.position_pool_start = 0
         self.position_pool_seqs = 0
         self.states_per_position_run = 0
+        self.verified_runs: dict[int, tuple[int, int]] = {}  # seq id -> (first row, kept)
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -240,11 +241,22 @@ class ModelRunner:
         num_drafts = [len(d) for d in drafts]
         out = SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
         if self.linear_layers:
+            self.verified_runs = {}
             for i, seq in enumerate(seqs):
+                kept = num_drafts[i] - out.num_rejected(i) + 1
+                self.verified_runs[seq.seq_id] = (position_states[i], kept)
                 if out.num_rejected(i):  # the state went past the kept tokens: take theirs
-                    kept = num_drafts[i] - out.num_rejected(i) + 1
                     self._copy_slot(position_states[i] + kept - 1, seq.state_slot)
         return out
+
+    def save_verified_state(self, seq: Sequence, num_tokens: int, entry: int) -> None:
+        """A hybrid's state after `num_tokens` of its last verified run, into prefix-cache
+        checkpoint `entry` (the slot holds the state after the kept ones, the pool the rest)."""
+        first_row, kept = self.verified_runs[seq.seq_id]
+        source = seq.state_slot if num_tokens == kept else first_row + num_tokens - 1
+        for (conv, recurrent), (saved_conv, saved_recurrent) in self.state_tensors:
+            saved_conv[entry].copy_(conv[source])
+            saved_recurrent[entry].copy_(recurrent[source])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Lay the batch out decodes first, as the attention backends expect. A sequence's

@@ -16,7 +16,7 @@ import torch
 
 from kiln.engine.scheduler import ScheduledBatch
 from kiln.engine.sequence import Sequence
-from kiln.runner.draft import DraftView, draw_drafts
+from kiln.runner.draft import DraftView, RunnerProposer, draw_drafts
 from kiln.runner.model_runner import ModelRunner
 from kiln.runner.step_inputs import StepInputs
 
@@ -48,7 +48,7 @@ class MTPView(DraftView):
     hidden_in: torch.Tensor | None = None
 
 
-class MTPProposer:
+class MTPProposer(RunnerProposer):
     def __init__(self, runner: ModelRunner, eos: frozenset[int], generator: torch.Generator):
         """`runner`: the head's, with a hidden-state input buffer."""
         self.runner, self.eos, self.generator = runner, eos, generator
@@ -129,13 +129,3 @@ class MTPProposer:
         # every view samples: its rows come back in the batch's order
         _, out = self.runner.forward_hidden(ScheduledBatch(views, [1] * len(views)))  # type: ignore[arg-type]
         return out
-
-    def warmed_up(self) -> None:
-        self.runner.reset_counters()
-        self.runner.mark_warmed_up()
-
-    def graph_stats(self) -> dict:
-        return self.runner.graph_stats()
-
-    def release_memory(self) -> None:
-        self.runner.release_memory()
