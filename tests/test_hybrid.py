@@ -163,6 +163,20 @@ def test_mode_3_equals_eager(tiny_models, eager_reference):
     assert engine.runner.compile_stats()["compilations"] == 1
 
 
+def test_mode_3_without_a_saved_trace_equals_eager(
+    tiny_models, eager_reference, tmp_path, monkeypatch
+):
+    """Dynamo's own trace (`"aot_compile": false`, and every retrace after a saved guard
+    failed) hands Inductor unbacked token counts, where a saved trace's graph has backed ones:
+    Inductor once turned the output norm's flattening reshape into a guard that the token count
+    is 1 and crashed the boot with "Guard failed on the same frame it was created". A fresh
+    cache, so Inductor lowers the graph here and not from an earlier test's cache."""
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    engine = _engine(tiny_models["qwen3_next"], CompilationConfig(mode=3, aot_compile=False))
+    _assert_same(engine, eager_reference)
+    assert engine.stats().graphs["recompilations"] == 0
+
+
 def test_graphs_split_at_both_ops_and_full_resolves_to_piecewise(
     tiny_models, eager_reference, caplog
 ):

@@ -107,7 +107,10 @@ class GatedDeltaNet(nn.Module):
             state.checkpoint_at, state.checkpoint_entries, state.position_states,
             self.key_heads, self.key_dim,
         )  # fmt: skip
-        out = self.norm(core.reshape(-1, dv), z.reshape(-1, dv))
+        # per head over [tokens, hv, dv], not flattened to [tokens * hv, dv]: Inductor cannot
+        # split an unbacked token count's [T, hv * dv] into [hv * T, dv] without guarding T == 1
+        # (a retrace after a saved guard failed crashed on that guard)
+        out = self.norm(core, z.reshape(tokens, hv, dv))
         return self.out_proj(out.view(tokens, hv * dv))
 
 
