@@ -3,7 +3,8 @@ log-sum-exp) against the pure-PyTorch reference backend and against attention by
 float64: decode rows and chunked prefill, contexts ending mid-block and on block edges, GQA
 ratios and head dims, prefix hits, padding rows, and the cache it writes. Every path of the op
 (in place, gathered fragments, split decode runs, batched short decodes) is forced by its
-tuning on small shapes."""
+tuning on small shapes, and the C++ decode kernel (both its builds: this machine's and the
+portable one) through the same comparisons."""
 
 from __future__ import annotations
 
@@ -26,17 +27,23 @@ from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 BS, NUM_BLOCKS = 4, 96
 KEY_BYTES = 128  # one token's keys in float32: 2 x 16, 4 x 8 and 1 x 32 KV heads x head dim
-ALL_IN_PLACE = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=1 << 20)
-SPLIT = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=3, max_parts=4)
-FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max_bytes=0, min_run=3 * BS)
+# the flash-kernel paths, decode rows included (decode_kernel off)
+ALL_IN_PLACE = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=1 << 20,
+                                  decode_kernel="off")  # fmt: skip
+SPLIT = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=3, max_parts=4,
+                           decode_kernel="off")  # fmt: skip
+FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max_bytes=0, min_run=3 * BS, decode_kernel="off")
 SHORT_DECODES_BATCHED = CpuAttentionTuning(
-    gather_max_bytes=16 * KEY_BYTES, gather_budget_bytes=40 * KEY_BYTES, min_run=1
-)
+    gather_max_bytes=16 * KEY_BYTES, gather_budget_bytes=40 * KEY_BYTES, min_run=1,
+    decode_kernel="off",
+)  # fmt: skip
+KERNEL = CpuAttentionTuning(decode_kernel="on")  # decode rows through the C++ kernel
 TUNINGS = {
     "in_place": ALL_IN_PLACE,
     "split": SPLIT,
     "gathered": FRAGMENTS_GATHERED,
     "batched": SHORT_DECODES_BATCHED,
+    "kernel": KERNEL,
     "default": CpuAttentionTuning(),
 }
 # (query length, keys already cached): decodes first, then a fresh prompt, then chunks with a
@@ -74,14 +81,14 @@ def _run(backend, caches, q, k, v, layout, pad: int = 0):
     return out
 
 
-def _by_hand(caches, q, layout) -> torch.Tensor:
+def _by_hand(caches, q, layout, firsts=FIRSTS, q_lens=Q_LENS) -> torch.Tensor:
     """softmax(q k^T / sqrt(D)) v per request and head, causal, in float64, from the cache the
     op wrote this step's keys into."""
     heads, dim = q.shape[1:]
     kv_heads = caches.shape[3]
     out = torch.empty(q.shape[0], heads * dim, dtype=torch.float64)
     starts = layout.query_start_loc.tolist()
-    for row, (first, n) in enumerate(zip(FIRSTS, Q_LENS)):
+    for row, (first, n) in enumerate(zip(firsts, q_lens)):
         pos = torch.arange(first + n)
         slots = layout.block_tables[row, pos // BS].long() * BS + pos % BS
         keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
@@ -106,7 +113,7 @@ def test_matches_attention_by_hand(tuning, contiguous, shape):
     torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tuning", ["in_place", "split", "gathered"])
+@pytest.mark.parametrize("tuning", ["in_place", "split", "gathered", "kernel"])
 def test_bfloat16_matches_the_reference_backend(tuning):
     caches, q, k, v, layout = _batch(6, 2, 16, torch.bfloat16, contiguous=False)
     ref_caches = caches.clone()
@@ -126,7 +133,7 @@ def test_cache_writes_equal_the_reference_backend():
     assert not torch.equal(caches, _batch(6, 2, 16, torch.float32, contiguous=False)[0])
 
 
-@pytest.mark.parametrize("tuning", ["in_place", "batched"])
+@pytest.mark.parametrize("tuning", ["in_place", "batched", "kernel"])
 def test_padding_rows_become_zeros_and_change_nothing(tuning):
     backend = _backend(torch.float32, TUNINGS[tuning])
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
@@ -211,3 +218,62 @@ def test_a_long_decode_run_is_split_into_parts_and_its_leftover_gathered():
     assert row3 == [[3, IN_PLACE, first, 28, 4], [3, IN_PLACE, first + 28, 3, 1]]
     row2 = [p for p in meta.pieces.tolist() if p[0] == 2]  # 16 keys: 4 parts of 4, none over
     assert row2 == [[2, IN_PLACE, layout.block_tables[2, 0].item() * BS, 16, 4]]
+
+
+# ---- the C++ decode kernel --------------------------------------------------------------------
+
+
+def test_decode_rows_go_to_the_kernel_whole():
+    """With the kernel, every decode row is its row (table and length), none a piece or a
+    gathered row; the prefill rows keep their pieces."""
+    layout = _batch(6, 2, 16, torch.float32, contiguous=False)[-1]
+    meta = _backend(torch.float32, KERNEL).metadata_builder(64, torch.device("cpu")).build(layout)
+    assert meta.kernel_lens.tolist() == [f + 1 for f in FIRSTS[:NUM_DECODES]]
+    assert torch.equal(meta.kernel_tables, layout.block_tables[:NUM_DECODES].int())
+    assert meta.gathered_rows.numel() == 0
+    assert {p[0] for p in meta.pieces.tolist()} == set(range(NUM_DECODES, len(Q_LENS)))
+
+
+def test_a_decode_only_step_through_the_kernel_copies_no_keys():
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
+    with profile() as prof:
+        _run(_backend(torch.float32, KERNEL), caches, q[:4], k[:4], v[:4], _decodes(layout))
+    names = {e.key: e.count for e in prof.key_averages()}
+    assert names.get("aten::index_select", 0) == 0
+    assert names.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0) == 0
+
+
+def _decodes(layout):
+    tables = [layout.block_tables[row].tolist() for row in range(NUM_DECODES)]
+    rows = [BatchRow([0], FIRSTS[row], tables[row]) for row in range(NUM_DECODES)]
+    return InputBuffers(8, 4, len(tables[0]), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
+@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
+def test_the_kernel_matches_attention_by_hand(dtype, shape, portable):
+    """Decode rows of 8, 13, 16 and 31 keys (mid-block and block edges, fragmented blocks) at
+    real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
+    kernel's scalar loops, against float64 by hand; both builds of the kernel."""
+    from kiln.attention import cpu_kernel
+
+    heads, kv_heads, dim = shape
+    flags = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native")
+    kernel = cpu_kernel.load_paged_decode(flags) if portable else cpu_kernel.paged_decode_kernel()
+    assert kernel is not None and (kernel.isa == 0) == portable
+    caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
+    layout = _decodes(layout)  # this step's keys and values written as the op writes them:
+    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4],
+                                                  torch.stack([k[:4], v[:4]]))  # fmt: skip
+    out = torch.full((4, heads, dim), float("nan"), dtype=dtype)
+    tables, lens = layout.block_tables[:4].int().contiguous(), layout.seq_lens[:4].int()
+    kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)
+    want = _by_hand(caches, q[:4], layout, FIRSTS[:4], [1] * 4)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.view(4, -1).double(), want, rtol=tol, atol=tol)
+
+
+def test_an_unknown_decode_kernel_choice_is_refused():
+    with pytest.raises(ValueError, match='"auto", "on" or "off"'):
+        _backend(torch.float32, CpuAttentionTuning(decode_kernel="yes"))

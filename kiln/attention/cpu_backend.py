@@ -35,14 +35,15 @@ from kiln.attention.backend import (
     GraphSupport,
     MetadataBuilder,
 )
+from kiln.attention.cpu_kernel import paged_decode_kernel
 from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor(c!) out, Tensor slot_mapping, Tensor query_start_loc, Tensor gathered_rows, "
-    "Tensor decode_slots, Tensor decode_bias, Tensor pieces, Tensor piece_slots, float scale) "
-    "-> ()"
+    "Tensor decode_slots, Tensor decode_bias, Tensor pieces, Tensor piece_slots, "
+    "Tensor kernel_tables, Tensor kernel_lens, float scale) -> ()"
 )
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -63,6 +64,10 @@ class CpuAttentionTuning:
     min_run: int = 256  # runs shorter than this many tokens are gathered
     part_tokens: int = 1024  # a decode run is cut into parts of at least this many tokens
     max_parts: int = 32
+    # decode rows through the C++ kernel (csrc/paged_decode.cpp): "auto" where it was built
+    # with AVX-512 (2.1-4.9x the flash kernel's paths, docs/performance.md), "on" also with
+    # its portable loops, "off" never
+    decode_kernel: str = "auto"
 
 
 def _stacked(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -135,10 +140,13 @@ def cpu_paged_attention(
     decode_bias: torch.Tensor,
     pieces: torch.Tensor,
     piece_slots: torch.Tensor,
+    kernel_tables: torch.Tensor,
+    kernel_lens: torch.Tensor,
     scale: float,
 ) -> None:
     """Writes this step's keys and values into the caches and the attention output into `out`
-    [T, H * D] (rows past the batch's tokens, padding, become zeros)."""
+    [T, H * D] (rows past the batch's tokens, padding, become zeros). The first
+    `len(kernel_lens)` rows, decode rows, go through the C++ kernel."""
     hkv, d = k_cache.shape[2:]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
@@ -146,6 +154,15 @@ def cpu_paged_attention(
     k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
     k_flat.index_copy_(0, slot_mapping, k)
     v_flat.index_copy_(0, slot_mapping, v)
+    n_kernel = kernel_lens.shape[0]
+    if n_kernel:
+        kernel = paged_decode_kernel()
+        if kernel is None:  # the builder asks for it only once it is built
+            raise RuntimeError("the CPU decode-attention kernel is not available")
+        rows = out[:n_kernel].view(q[:n_kernel].shape)
+        kernel.run(q[:n_kernel], k_cache, v_cache, kernel_tables, kernel_lens, rows, scale)
+        if n_kernel == q.shape[0]:
+            return
     n_gathered = gathered_rows.shape[0]
     if n_gathered == q.shape[0]:  # only short decodes, no padding: the common small step
         out.copy_(gathered_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
@@ -162,7 +179,8 @@ def cpu_paged_attention(
 
 
 def _fake(q, k, v, k_cache, v_cache, out, slot_mapping, query_start_loc, gathered_rows,
-          decode_slots, decode_bias, pieces, piece_slots, scale) -> None:  # fmt: skip
+          decode_slots, decode_bias, pieces, piece_slots, kernel_tables, kernel_lens,
+          scale) -> None:  # fmt: skip
     return None
 
 
@@ -179,6 +197,8 @@ class CpuPagedMetadata(AttentionMetadata):
     decode_bias: torch.Tensor  # [n * max_len] 0 or -inf in the model's dtype
     pieces: torch.Tensor  # [P, 5] int64: (row, kind, start, length, parts), grouped by row
     piece_slots: torch.Tensor  # [S] int64: the slots GATHERED pieces read
+    kernel_tables: torch.Tensor  # [n, W] int32: the block tables of the kernel's decode rows
+    kernel_lens: torch.Tensor  # [n] int32: their lengths (the first n rows)
 
     dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {
         "slot_mapping": (0,),
@@ -188,6 +208,8 @@ class CpuPagedMetadata(AttentionMetadata):
         "decode_bias": (0,),
         "pieces": (0,),
         "piece_slots": (0,),
+        "kernel_tables": (0, 1),
+        "kernel_lens": (0,),
     }
 
 
@@ -214,17 +236,21 @@ def block_runs(table: np.ndarray, num_keys: int, block_size: int) -> list[tuple[
 class CpuPagedMetadataBuilder(MetadataBuilder):
     """Per step, on the host: which decode rows are gathered, and every other row's pieces."""
 
-    def __init__(self, dtype: torch.dtype, key_bytes: int, tuning: CpuAttentionTuning) -> None:
-        """key_bytes: one token's keys in one layer (KV heads x head dim x element size)."""
-        self.dtype, self.key_bytes, self.tuning = dtype, key_bytes, tuning
+    def __init__(
+        self, dtype: torch.dtype, key_bytes: int, tuning: CpuAttentionTuning, kernel: bool
+    ) -> None:
+        """key_bytes: one token's keys in one layer (KV heads x head dim x element size);
+        kernel: decode rows go through the C++ kernel."""
+        self.dtype, self.key_bytes, self.tuning, self.kernel = dtype, key_bytes, tuning, kernel
 
     def build(self, layout: BatchLayout) -> CpuPagedMetadata:
         lens = layout.seq_lens.numpy()
         starts = layout.query_start_loc[: layout.num_reqs + 1].numpy()
         tables = layout.block_tables.numpy()
-        gathered = self._gathered_rows(lens[: layout.num_decodes])
+        n_kernel = layout.num_decodes if self.kernel else 0
+        gathered = set() if self.kernel else self._gathered_rows(lens[: layout.num_decodes])
         pieces, slots = [], []
-        for row in range(layout.num_reqs):
+        for row in range(n_kernel, layout.num_reqs):
             q_len = int(starts[row + 1] - starts[row])
             is_decode = row < layout.num_decodes
             if is_decode and row in gathered:
@@ -245,6 +271,9 @@ class CpuPagedMetadataBuilder(MetadataBuilder):
             decode_bias=decode_bias,
             pieces=torch.tensor(pieces, dtype=torch.long).view(-1, 5),
             piece_slots=torch.tensor(slots, dtype=torch.long),
+            # copies: the kernel reads them whole (the table's width is the step's longest)
+            kernel_tables=layout.block_tables[:n_kernel].to(torch.int32, copy=True),
+            kernel_lens=layout.seq_lens[:n_kernel].to(torch.int32, copy=True),
         )
 
     def _gathered_rows(self, decode_lens: np.ndarray) -> set[int]:
@@ -301,9 +330,21 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.dtype = dtype
         self.key_bytes = shape.num_kv_heads * shape.head_dim * dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
+        self.decode_kernel = self._uses_kernel(shape)
+
+    def _uses_kernel(self, shape: AttentionShape) -> bool:
+        choice = self.tuning.decode_kernel
+        if choice not in ("auto", "on", "off"):
+            raise ValueError(f'decode_kernel is "auto", "on" or "off", not {choice!r}')
+        if choice == "off":
+            return False
+        kernel = paged_decode_kernel()
+        if kernel is None or not kernel.supports(self.dtype, shape.num_heads, shape.head_dim):
+            return False
+        return choice == "on" or kernel.vectorized
 
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
-        return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning)
+        return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning, self.decode_kernel)
 
     def forward(
         self,
@@ -330,5 +371,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
             meta.decode_bias,
             meta.pieces,
             meta.piece_slots,
+            meta.kernel_tables,
+            meta.kernel_lens,
             scale,
         )

@@ -1,0 +1,268 @@
+// Decode attention over kiln's paged KV cache on the CPU, read in place.
+//
+// One query token per request, its keys and values where they lie in the cache
+// ([blocks * block_size, kv_heads, head_dim], float32 or bfloat16), found through the
+// request's block table. A work item is one request over one range of its keys, every head at
+// once: a token's keys for all KV heads are one contiguous run of the cache, read once and in
+// order, which is what lets the hardware prefetchers stream it. Scores and the softmax are
+// float32 (bfloat16 products accumulate in float32); a request's ranges are merged by their
+// running max and sum (online softmax), as flash-decoding splits a long context.
+//
+// Built at first use by kiln/attention/cpu_kernel.py with the machine's compiler
+// (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, portable
+// loops otherwise.
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t TILE = 32;       // keys scored per softmax update
+constexpr int64_t MAX_HEADS = 64;  // query heads x head dim bounded by the caller
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+
+inline float to_float(float x) { return x; }
+inline float to_float(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline void from_float(float* p, float x) { *p = x; }
+inline void from_float(uint16_t* p, float x) {  // round to nearest even, NaN kept
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {
+    *p = 0x7fc0;
+    return;
+  }
+  u += 0x7fffu + ((u >> 16) & 1u);
+  *p = static_cast<uint16_t>(u >> 16);
+}
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
+
+// q . k over head_dim d (q given as float32 and, for bf16 keys, as bf16 too)
+inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(load16(qf + i), load16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += qf[i] * k[i];
+  return s;
+}
+inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t d) {
+#if defined(__AVX512BF16__)
+  if (d % 32 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 32)
+      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + i),
+                             (__m512bh)_mm512_loadu_si512(k + i));
+    return _mm512_reduce_add_ps(acc);
+  }
+#elif defined(__AVX512F__)
+  if (d % 16 == 0) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(load16(qf + i), load16(k + i), acc);
+    return _mm512_reduce_add_ps(acc);
+  }
+#endif
+  (void)qb;
+  float s = 0.f;
+  for (int64_t i = 0; i < d; ++i) s += qf[i] * to_float(k[i]);
+  return s;
+}
+
+// acc[g] += p[g * TILE] * v for the g query heads sharing one KV head's value row v
+template <typename KV>
+inline void add_weighted(const float* p, float* acc, const KV* v, int64_t group, int64_t d) {
+#if defined(__AVX512F__)
+  if (d % 16 == 0) {
+    for (int64_t i = 0; i < d; i += 16) {
+      const __m512 vv = load16(v + i);
+      for (int64_t g = 0; g < group; ++g) {
+        float* a = acc + g * d + i;
+        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * TILE]), vv, _mm512_loadu_ps(a)));
+      }
+    }
+    return;
+  }
+#endif
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p[g * TILE] * to_float(v[i]);
+}
+
+// s[j] = exp(s[j] - mx) for j < n, returns their sum
+inline float exp_sum(float* s, int64_t n, float mx) {
+#if defined(__AVX512F__)
+  // 2^(x log2 e): the integer part by scalef, the fraction by a degree-6 polynomial
+  // (relative error about 2e-7, as libm's expf)
+  const __m512 m = _mm512_set1_ps(mx), log2e = _mm512_set1_ps(1.44269504088896341f);
+  __m512 total = _mm512_setzero_ps();
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 k = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m),
+                                   _mm512_set1_ps(-87.f));
+    const __m512 t = _mm512_mul_ps(x, log2e);
+    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, fi);
+    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    p = _mm512_maskz_mov_ps(k, _mm512_scalef_ps(p, fi));
+    _mm512_mask_storeu_ps(s + j, k, p);
+    total = _mm512_add_ps(total, p);
+  }
+  return _mm512_reduce_add_ps(total);
+#else
+  float total = 0.f;
+  for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  return total;
+#endif
+}
+
+// The cache rows (element offsets) of keys [t, t + n) of a request with block table `table`.
+inline void tile_rows(const int32_t* table, int64_t t, int64_t n, int64_t block_size,
+                      int64_t row_elems, int64_t* rows) {
+  int64_t block = t / block_size, offset = t - block * block_size;
+  for (int64_t j = 0; j < n; ++j) {
+    rows[j] = (static_cast<int64_t>(table[block]) * block_size + offset) * row_elems;
+    if (++offset == block_size) offset = 0, ++block;
+  }
+}
+
+struct Shape {
+  int64_t heads, kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// One request's query q (all heads) over its keys [t0, t1): unnormalised output acc [H, D],
+// running max m [H] and sum l [H].
+template <typename T>
+void attend_range(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t t0,
+                  int64_t t1, const Shape& sh, float* acc, float* m, float* l) {
+  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, row_elems = sh.kv_heads * D;
+  float qf[MAX_HEADS * 256];
+  alignas(64) uint16_t qb[MAX_HEADS * 256];
+  float s[MAX_HEADS * TILE];
+  int64_t rows[TILE];
+  for (int64_t i = 0; i < H * D; ++i) {
+    qf[i] = to_float(q[i]);
+    from_float(qb + i, qf[i]);  // exact: q is bf16 when the keys are
+  }
+  std::fill(m, m + H, NEG_INF);
+  std::fill(l, l + H, 0.f);
+  std::fill(acc, acc + H * D, 0.f);
+  for (int64_t t = t0; t < t1; t += TILE) {
+    const int64_t n = std::min(TILE, t1 - t);
+    tile_rows(table, t, n, sh.block_size, row_elems, rows);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t i = 0; i < H; ++i)
+        s[i * TILE + j] = sh.scale * dot(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
+    for (int64_t i = 0; i < H; ++i) {
+      float mx = m[i];
+      for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);
+      const float correction = std::exp(m[i] - mx);  // 0 on the first tile (m = -inf)
+      l[i] = l[i] * correction + exp_sum(s + i * TILE, n, mx);
+      m[i] = mx;
+      if (correction != 1.f)
+        for (int64_t k = 0; k < D; ++k) acc[i * D + k] *= correction;
+    }
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t h = 0; h < sh.kv_heads; ++h)
+        add_weighted(s + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * D, G, D);
+  }
+}
+
+// The ranges of request r merged into its output row.
+template <typename T>
+void merge_ranges(const float* work, int64_t splits, const Shape& sh, T* out) {
+  const int64_t H = sh.heads, D = sh.head_dim, item = H * D + 2 * H;
+  for (int64_t i = 0; i < H; ++i) {
+    float mx = NEG_INF;
+    for (int64_t sp = 0; sp < splits; ++sp) mx = std::max(mx, work[sp * item + H * D + i]);
+    float o[256] = {0.f};
+    float total = 0.f;
+    for (int64_t sp = 0; sp < splits; ++sp) {
+      const float* w = work + sp * item;
+      if (w[H * D + i] == NEG_INF) continue;  // an empty range
+      const float c = std::exp(w[H * D + i] - mx);
+      total += w[H * D + H + i] * c;
+      for (int64_t k = 0; k < D; ++k) o[k] += w[i * D + k] * c;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int64_t k = 0; k < D; ++k) from_float(out + i * D + k, o[k] * inv);
+  }
+}
+
+template <typename T>
+void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+            T* out, float* work, int64_t rows, int64_t splits, const Shape& sh, int threads) {
+  const int64_t H = sh.heads, D = sh.head_dim, item = H * D + 2 * H;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t it = 0; it < rows * splits; ++it) {
+    const int64_t r = it / splits, sp = it % splits, len = lens[r];
+    const int64_t per = (len + splits - 1) / splits;
+    const int64_t t0 = std::min(len, sp * per), t1 = std::min(len, t0 + per);
+    float* w = work + it * item;
+    attend_range(q + r * H * D, kc, vc, tables + r * sh.table_width, t0, t1, sh, w, w + H * D,
+                 w + H * D + H);
+  }
+#pragma omp parallel for num_threads(threads)
+  for (int64_t r = 0; r < rows; ++r) merge_ranges(work + r * splits * item, splits, sh, out + r * H * D);
+}
+
+}  // namespace
+
+extern "C" {
+
+// 2 when built with AVX512-BF16, 1 with AVX-512, 0 with portable loops
+int kiln_paged_decode_isa() {
+#if defined(__AVX512BF16__)
+  return 2;
+#elif defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// q, out [rows, heads, head_dim]; caches [slots, kv_heads, head_dim]; tables [rows, width];
+// lens [rows]; work: rows * splits * (heads * head_dim + 2 * heads) floats. dtype 0 float32,
+// 1 bfloat16. Requires heads <= 64 and head_dim <= 256 (checked by the caller).
+void kiln_paged_decode(int dtype, const void* q, const void* k_cache, const void* v_cache,
+                       const int32_t* tables, const int32_t* lens, void* out, float* work,
+                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                       int64_t block_size, int64_t table_width, int64_t splits, float scale,
+                       int threads) {
+  const Shape sh{heads, kv_heads, head_dim, block_size, table_width, scale};
+  if (dtype == 0)
+    decode(static_cast<const float*>(q), static_cast<const float*>(k_cache),
+           static_cast<const float*>(v_cache), tables, lens, static_cast<float*>(out), work, rows,
+           splits, sh, threads);
+  else
+    decode(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
+           static_cast<const uint16_t*>(v_cache), tables, lens, static_cast<uint16_t*>(out), work,
+           rows, splits, sh, threads);
+}
+}
