@@ -1,7 +1,8 @@
 """The CPU attention backends side by side, the op alone (one layer's call, cache write included,
 then the step's metadata, built once for all layers, in its own column): the
-pure-PyTorch reference `torch` (gathers every key into a fresh copy) and `cpu` (reads runs of the
-paged cache in place, merges them by log-sum-exp). Cases: decode batches at growing contexts,
+pure-PyTorch reference `torch` (gathers every key into a fresh copy), `cpu-flash` (reads runs of
+the paged cache in place with the flash kernel, merges them by log-sum-exp) and `cpu` (the same,
+decode rows through the C++ kernel). Cases: decode batches at growing contexts,
 and a 512-token prefill chunk after a long context. Each request's blocks are consecutive
 (`--layout contiguous`, what the allocator hands a request on a fresh cache) or a random
 permutation (`--layout fragmented`, the worst case: every run one block long).
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 import torch
 
@@ -76,8 +78,10 @@ def _case(name, rows_spec, args, backends, gen):
     repeats = max(3, min(30, int(2e6 // (num_blocks * args.block_size * len(rows_spec) + 1))))
     ms = {name: _time(b, layout, caches, q, k, v, repeats) for name, b in backends.items()}
     (torch_ms, torch_build), (cpu_ms, cpu_build) = ms["torch"], ms["cpu"]
-    print(f"| {name} | {torch_ms:.3f} | {cpu_ms:.3f} | {torch_ms / cpu_ms:.2f}x | "
-          f"{torch_build:.3f} | {cpu_build:.3f} |", flush=True)  # fmt: skip
+    flash_ms = ms["cpu-flash"][0]
+    print(f"| {name} | {torch_ms:.3f} | {flash_ms:.3f} | {cpu_ms:.3f} | "
+          f"{torch_ms / cpu_ms:.2f}x | {flash_ms / cpu_ms:.2f}x | {torch_build:.3f} | "
+          f"{cpu_build:.3f} |", flush=True)  # fmt: skip
 
 
 def main() -> None:
@@ -98,15 +102,18 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     tuning = CpuAttentionTuning(args.gather_max_bytes, args.gather_budget_bytes, args.min_run,
                                 args.part_tokens, args.max_parts)  # fmt: skip
+    shape = AttentionShape(*SHAPES[args.shape])
     backends = {
         "torch": TorchPagedAttentionBackend(dtype),
-        "cpu": CpuPagedAttentionBackend(dtype, AttentionShape(*SHAPES[args.shape]), tuning),
+        "cpu-flash": CpuPagedAttentionBackend(dtype, shape, replace(tuning, decode_kernel="off")),
+        "cpu": CpuPagedAttentionBackend(dtype, shape, tuning),
     }
     gen = torch.Generator().manual_seed(0)
     print(f"{args.shape} {args.dtype}, block size {args.block_size}, {args.layout} blocks, "
           f"{torch.get_num_threads()} threads, {tuning}")  # fmt: skip
-    print("| case | torch ms | cpu ms | speedup | torch metadata ms | cpu metadata ms |\n"
-          "| --- | --- | --- | --- | --- | --- |")  # fmt: skip
+    print("| case | torch ms | cpu-flash ms | cpu ms | cpu vs torch | cpu vs cpu-flash "
+          "| torch metadata ms | cpu metadata ms |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- |")  # fmt: skip
     if args.only != "prefill":
         for rows, ctx in DECODE_CASES:
             _case(f"decode {rows} x {ctx}", [(1, ctx - 1)] * rows, args, backends, gen)

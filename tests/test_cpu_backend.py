@@ -277,3 +277,18 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, portable):
 def test_an_unknown_decode_kernel_choice_is_refused():
     with pytest.raises(ValueError, match='"auto", "on" or "off"'):
         _backend(torch.float32, CpuAttentionTuning(decode_kernel="yes"))
+
+
+def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
+    """`--attention-backend cpu-flash` keeps every row on the flash-kernel paths (the way back
+    if the kernel misbehaves, and the A/B of the benchmarks); `cpu` takes the kernel where it
+    was built with AVX-512."""
+    from kiln.attention import cpu_kernel
+    from kiln.attention.selector import select_backend
+
+    shape, cpu = AttentionShape(9, 3, 64), torch.device("cpu")
+    flash = select_backend("cpu-flash", cpu, BS, shape, torch.bfloat16)
+    assert (flash.name, flash.decode_kernel) == ("cpu-flash", False)
+    with_kernel = select_backend("cpu", cpu, BS, shape, torch.bfloat16)
+    assert with_kernel.name == "cpu"
+    assert with_kernel.decode_kernel == cpu_kernel.paged_decode_kernel().vectorized

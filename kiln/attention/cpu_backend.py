@@ -331,6 +331,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.key_bytes = shape.num_kv_heads * shape.head_dim * dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
         self.decode_kernel = self._uses_kernel(shape)
+        self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"
 
     def _uses_kernel(self, shape: AttentionShape) -> bool:
         choice = self.tuning.decode_kernel

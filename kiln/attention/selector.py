@@ -11,13 +11,13 @@ import logging
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionShape
-from kiln.attention.cpu_backend import CpuPagedAttentionBackend
+from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "cpu", "torch", "triton")
+BACKENDS = ("auto", "cpu", "cpu-flash", "torch", "triton")
 # every attention backend's splitting op (the Triton one registers only when triton imports)
 ATTENTION_OPS = (
     "kiln::cpu_paged_attention",
@@ -49,13 +49,14 @@ def select_backend(
             )
     if name == "torch":
         return TorchPagedAttentionBackend(dtype)
-    if name == "cpu":
+    if name in ("cpu", "cpu-flash"):
         if device.type != "cpu":
             raise ConfigError(
-                f"attention backend 'cpu' runs on the CPU only (its kernel is the CPU's flash "
-                f"attention), not on {device.type}. Remedy: --attention-backend auto"
+                f"attention backend {name!r} runs on the CPU only (its kernels are CPU code), "
+                f"not on {device.type}. Remedy: --attention-backend auto"
             )
-        return CpuPagedAttentionBackend(dtype, shape)
+        kernel = "off" if name == "cpu-flash" else "auto"
+        return CpuPagedAttentionBackend(dtype, shape, CpuAttentionTuning(decode_kernel=kernel))
     return _triton_backend(block_size, shape, device)
 
 

@@ -250,8 +250,9 @@ class EngineConfig:
         metadata=option(
             str,
             "auto (default): triton on CUDA (capturable in FULL graphs), cpu on the CPU (reads "
-            "the paged cache in place); torch: the pure-PyTorch reference, on both",
-            choices=("auto", "cpu", "torch", "triton"),
+            "the paged cache in place; decode rows through its C++ kernel); cpu-flash: cpu "
+            "without that kernel; torch: the pure-PyTorch reference, on both",
+            choices=("auto", "cpu", "cpu-flash", "torch", "triton"),
         ),
     )
     boot_timeout: float | None = field(  # seconds per boot phase; None or 0: no limit
