@@ -103,7 +103,10 @@ def _prefill(engine, name: str, ids: list[int], params: SamplingParams, streams:
     request_ids = [f"{name}-{i}" for i in range(streams)]
     for i, request_id in enumerate(request_ids):
         engine.add_request(request_id, [ids[(i + 1) % len(ids)], *ids], params)
-    while any(engine.requests[r].seqs[0].num_output_tokens == 0 for r in request_ids):
+    # a stream may finish all its tokens while later streams still prefill (few --tokens, many
+    # --streams): it has left engine.requests, and counts as done
+    while any(r in engine.requests and engine.requests[r].seqs[0].num_output_tokens == 0
+              for r in request_ids):  # fmt: skip
         engine.step()
 
 
