@@ -42,15 +42,27 @@ def _schedule():
     return [(t, p, params) for t, p in zip([0, 0, 1, 2, 4, 6], prompts)]
 
 
-def _assert_matches_eager(eager, compiled, rtol: float = 1e-4, atol: float = 1e-4) -> dict:
+def _assert_matches_eager(
+    eager, compiled, rtol: float = 1e-4, atol: float = 1e-4, near_ties: bool = False
+) -> dict:
     """The schedule's greedy tokens and logits on `compiled` equal eager's (`atol` relative to
-    the largest logit); its outputs."""
+    the largest logit); its outputs. `near_ties` (bf16, where logits tie within rounding): a
+    token may differ where eager's two best logits are within twice the tolerance of each other,
+    and the request is compared up to there (its inputs differ after)."""
     ref, ref_logits = run_schedule(eager, _schedule(), record_logits=True)
     out, logits = run_schedule(compiled, _schedule(), record_logits=True)
     for rid in ref:
-        assert out[rid].outputs[0].token_ids == ref[rid].outputs[0].token_ids
+        want, got = ref[rid].outputs[0].token_ids, out[rid].outputs[0].token_ids
         a, b = torch.stack(logits[rid]).float(), torch.stack(ref_logits[rid]).float()
-        torch.testing.assert_close(a, b, rtol=rtol, atol=atol * b.abs().max().item())
+        tol = atol * b.abs().max().item()
+        steps = len(want)
+        if near_ties and got != want:
+            steps = next(i for i, (x, y) in enumerate(zip(got, want)) if x != y)
+            top2 = b[steps].topk(2).values
+            assert top2[0] - top2[1] <= 2 * tol, f"request {rid} left eager's token by a margin"
+        else:
+            assert got == want
+        torch.testing.assert_close(a[: steps + 1], b[: steps + 1], rtol=rtol, atol=tol)
     return out
 
 
@@ -364,7 +376,7 @@ def test_bf16_compiled_matches_bf16_eager(tiny_models):
     kwargs = dict(block_size=4, max_num_batched_tokens=16, dtype="bfloat16")
     eager = make_engine(path, **kwargs)
     compiled = make_engine(path, **kwargs, compilation=CompilationConfig(mode=3, splitting_ops=()))
-    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * 2**-8)  # bf16: 8 significant bits
+    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * 2**-8, near_ties=True)  # bf16
 
 
 def test_engines_never_share_compiled_code(tiny_models):

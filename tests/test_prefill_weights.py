@@ -78,7 +78,8 @@ def test_a_float32_model_keeps_no_copies_and_dense_says_why(tiny_models, packed_
 @needs_bf16_onednn
 def test_compiled_bf16_packed_model_with_copies_matches_eager(tiny_models, packed_gguf):
     """Mode 3 calls the op with its oneDNN copy as a graph input (chunks of 16 rows take the
-    copy, decodes the int4 kernel): eager's greedy tokens, logits within bf16 rounding."""
+    copy, decodes the int4 kernel): eager's greedy tokens up to a near tie (this tiny random
+    model's bf16 logits tie exactly at some steps), logits within bf16 rounding."""
     from kiln.config.compilation import CompilationConfig
     from tests.test_compiled import _assert_matches_eager
 
@@ -88,7 +89,7 @@ def test_compiled_bf16_packed_model_with_copies_matches_eager(tiny_models, packe
     config = CompilationConfig(mode=3, splitting_ops=())
     compiled = make_engine(packed_gguf, **kwargs, compilation=config)
     assert sum(_copies(compiled)) == 9
-    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * BF16_ULP)
+    _assert_matches_eager(eager, compiled, rtol=0, atol=4 * BF16_ULP, near_ties=True)
     assert compiled.runner.compile_backend.stats.trace in ("traced and saved", "loaded")
 
 
