@@ -251,19 +251,27 @@ def _decodes(layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
-@pytest.mark.parametrize("portable", [False, True], ids=["native", "portable"])
-def test_the_kernel_matches_attention_by_hand(dtype, shape, portable):
+@pytest.mark.parametrize("build", ["native", "avx512", "portable"])
+def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     """Decode rows of 8, 13, 16 and 31 keys (mid-block and block edges, fragmented blocks) at
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
-    kernel's scalar loops, against float64 by hand; both builds of the kernel."""
+    kernel's scalar loops, against float64 by hand; every build of the kernel: this machine's,
+    AVX-512 without BF16 dot products, and the portable loops."""
     from kiln.attention import cpu_kernel
 
     heads, kv_heads, dim = shape
-    flags = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native")
-    kernel = cpu_kernel.load_paged_decode(flags) if portable else cpu_kernel.paged_decode_kernel()
-    flags_here = cpu_kernel._cpu_flags().split()
-    native_isa = 2 if "avx512_bf16" in flags_here else 1 if "avx512f" in flags_here else 0
-    assert kernel is not None and kernel.isa == (0 if portable else native_isa)
+    cpu_flags = cpu_kernel._cpu_flags().split()
+    if build == "avx512" and "avx512f" not in cpu_flags:
+        pytest.skip("this CPU has no AVX-512")
+    generic = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native")
+    native_isa = 2 if "avx512_bf16" in cpu_flags else 1 if "avx512f" in cpu_flags else 0
+    if build == "native":
+        kernel, isa = cpu_kernel.paged_decode_kernel(), native_isa
+    elif build == "avx512":
+        kernel, isa = cpu_kernel.load_paged_decode((*generic, "-mavx512f")), 1
+    else:
+        kernel, isa = cpu_kernel.load_paged_decode(generic), 0
+    assert kernel is not None and kernel.isa == isa
     caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
     layout = _decodes(layout)  # this step's keys and values written as the op writes them:
     caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4],

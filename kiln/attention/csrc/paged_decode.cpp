@@ -54,8 +54,9 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
-// q . k over head_dim d (q given as float32 and, for bf16 keys, as bf16 too)
-inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
+// q . k over head_dim d, in float32 (keys widened as they are loaded)
+template <typename KV>
+inline float dot_f32(const float* qf, const KV* k, int64_t d) {
 #if defined(__AVX512F__)
   if (d % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
@@ -64,8 +65,14 @@ inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
   }
 #endif
   float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += qf[i] * k[i];
+  for (int64_t i = 0; i < d; ++i) s += qf[i] * to_float(k[i]);
   return s;
+}
+
+// q . k (q given as float32 and, for bf16 keys, as bf16 too: AVX512-BF16 multiplies pairs of
+// bf16 exactly into a float32 sum)
+inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
+  return dot_f32(qf, k, d);
 }
 inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t d) {
 #if defined(__AVX512BF16__)
@@ -76,17 +83,9 @@ inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t
                              (__m512bh)_mm512_loadu_si512(k + i));
     return _mm512_reduce_add_ps(acc);
   }
-#elif defined(__AVX512F__)
-  if (d % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(load16(qf + i), load16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
-  }
 #endif
   (void)qb;
-  float s = 0.f;
-  for (int64_t i = 0; i < d; ++i) s += qf[i] * to_float(k[i]);
-  return s;
+  return dot_f32(qf, k, d);
 }
 
 // acc[g] += p[g * TILE] * v for the g query heads sharing one KV head's value row v
