@@ -6,7 +6,8 @@ block alone). Separates what the engine does over its
 life from what the server around it does (`kiln bench run --passes`).
 
     python benchmarks/engine_rounds.py --rounds 8 --streams 16 --prompt 512 --tokens 128
-    python benchmarks/engine_rounds.py --prefill-weights packed --dtype bfloat16"""
+    python benchmarks/engine_rounds.py --prefill-weights packed --dtype bfloat16
+    python benchmarks/engine_rounds.py --rounds 2 --streams 64 --attention-backend cpu-flash"""
 
 from __future__ import annotations
 
@@ -72,10 +73,12 @@ def main() -> None:
     ap.add_argument("--prefill-weights", default="auto")
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--model", default=None)
+    ap.add_argument("--attention-backend", default="auto")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, compilation_config={"mode": args.mode},
               prefill_weights=args.prefill_weights, kv_cache_memory=args.kv_cache_memory,
-              max_num_seqs=max(16, args.streams), max_num_batched_tokens=512)  # fmt: skip
+              max_num_seqs=max(16, args.streams), max_num_batched_tokens=512,
+              attention_backend=args.attention_backend)  # fmt: skip
     rows = []
     for r in range(args.rounds):
         rows.append(one_round(llm, _prompts(llm, args.streams, args.prompt, r), args.tokens))
