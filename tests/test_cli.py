@@ -63,7 +63,9 @@ def test_info_prints_architecture_and_config():
     for word in ("LlamaForCausalLM", "layers", "30", "max_model_len", "KV cache"):
         assert word in res.stdout
     rows = dict(line.split("  ", 1) for line in res.stdout.splitlines() if "  " in line)
-    assert rows["attention backend"].strip() == "cpu (CUDA graphs: never)"
+    attention = rows["attention backend"].strip()  # with the kernels this machine took
+    assert attention.startswith("cpu (") and "C++ " in attention
+    assert attention.endswith("(CUDA graphs: never)")
     assert "load model" in rows["boot"] and "warm up" in rows["boot"]
     assert rows["compile cache"].strip() == "none (mode 0 compiles nothing)"
     assert rows["torch.compile"].strip() == "none (mode 0 compiles nothing)"

@@ -302,3 +302,9 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     with_kernel = select_backend("cpu", cpu, BS, shape, torch.bfloat16)
     assert with_kernel.name == "cpu"
     assert with_kernel.decode_kernel == cpu_kernel.paged_decode_kernel().vectorized
+    # `kiln info` and /v1/engine say which kernels were taken, and why not
+    assert flash.describe() == "cpu-flash (flash kernel throughout; the C++ decode kernel: off)"
+    if with_kernel.decode_kernel:
+        assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX-512")
+    fp16 = select_backend("cpu", cpu, BS, shape, torch.float16)
+    assert "not for this dtype or head shape" in fp16.describe()

@@ -126,6 +126,11 @@ class AttentionBackend(ABC):
     # row of 1 + k tokens per sequence, for a kernel that writes and reads in one launch.
     drafts_as_decode_rows: bool = False
 
+    def describe(self) -> str:
+        """The backend as `kiln info` and /v1/engine show it: its name, and which kernels it
+        took where that depends on the machine."""
+        return self.name
+
     @abstractmethod
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
         """The builder for a runner whose steps hold at most `max_num_tokens` tokens."""

@@ -35,7 +35,7 @@ from kiln.attention.backend import (
     GraphSupport,
     MetadataBuilder,
 )
-from kiln.attention.cpu_kernel import paged_decode_kernel
+from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
 from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
@@ -343,6 +343,17 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if kernel is None or not kernel.supports(self.dtype, shape.num_heads, shape.head_dim):
             return False
         return choice == "on" or kernel.vectorized
+
+    def describe(self) -> str:
+        if self.decode_kernel:
+            isa = ISA_NAMES[paged_decode_kernel().isa]  # type: ignore[union-attr]
+            return f"{self.name} (decode rows: C++ kernel built with {isa}; prefill: flash kernel)"
+        kernel = None if self.tuning.decode_kernel == "off" else paged_decode_kernel()
+        why = ("off" if self.tuning.decode_kernel == "off" else
+               "not built: see the warning" if kernel is None else
+               f"built with {ISA_NAMES[kernel.isa]}, not used" if not kernel.vectorized else
+               "not for this dtype or head shape")  # fmt: skip
+        return f"{self.name} (flash kernel throughout; the C++ decode kernel: {why})"
 
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
         return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning, self.decode_kernel)

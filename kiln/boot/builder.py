@@ -236,6 +236,7 @@ def _report(
         device=runner.device,
         attention_backend=runner.attn_backend.name,
         attention_graph_support=runner.attn_backend.graph_support.value,
+        attention_kernels=runner.attn_backend.describe(),
         compile_cache=entry,
     )
 

@@ -167,8 +167,9 @@ def run(args: argparse.Namespace) -> int:
     if args.plan_only:
         p = preview_engine(config)
         rows = _model_rows(p.source.path, p.source.config, p.source.load_tokenizer())
+        attention = p.attn_backend
         rows += _config_rows(p.config, p.device, p.max_model_len,
-                             p.attn_backend.name, p.attn_backend.graph_support.value)  # fmt: skip
+                             attention.describe(), attention.graph_support.value)  # fmt: skip
         rows += [("compile cache", _planned_cache(p))]
         plan = p.plan
     else:
@@ -176,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
         boot = engine.boot
         rows = _model_rows(boot.model_path, engine.model_config, engine.tokenizer)
         rows += _config_rows(engine.config, boot.device, engine.max_model_len,
-                             boot.attention_backend, boot.attention_graph_support)  # fmt: skip
+                             boot.attention_kernels, boot.attention_graph_support)  # fmt: skip
         rows += _boot_rows(engine)
         plan = engine.plan
     width = max(len(k) for k, _ in rows)

@@ -59,6 +59,7 @@ class BootReport:
     device: torch.device
     attention_backend: str
     attention_graph_support: str
+    attention_kernels: str = ""  # the backend's describe(): which kernels it took here
     phases_s: dict[str, float] = field(default_factory=dict)  # seconds per boot phase
     boot_s: float = 0.0
     compile_cache: CompileCacheEntry | None = None  # the entry mode 3 compiled into or loaded
@@ -283,6 +284,7 @@ class LLMEngine:
             "cache": vars(self.config.cache),
             "attention_backend": {
                 "name": boot.attention_backend,
+                "kernels": boot.attention_kernels,
                 "graph_support": boot.attention_graph_support,
             },
             "graph_plan": self.plan.to_dict(),
