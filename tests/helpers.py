@@ -33,6 +33,7 @@ def make_engine(
     quantization: str = "auto",
     tokenizer: str | None = None,
     prefill_weights: str = "auto",
+    speculative=None,
 ) -> LLMEngine:
     return build_engine(
         EngineConfig(
@@ -54,6 +55,7 @@ def make_engine(
             compilation=compilation or CompilationConfig(),
             attention_backend=attention_backend,
             strict_graphs=strict_graphs,
+            speculative=speculative,
         ),
         graph_backend=graph_backend,
     )

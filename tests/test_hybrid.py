@@ -163,6 +163,30 @@ def test_mode_3_equals_eager(tiny_models, eager_reference):
     assert engine.runner.compile_stats()["compilations"] == 1
 
 
+def test_the_per_token_state_rows_key_the_saved_trace(tiny_models, tmp_path, monkeypatch, caplog):
+    """Speculation gives a hybrid's runner k state rows for each sequence that may verify in a
+    step (at most disable_by_batch_size of them), inputs of fixed size to the compiled forward:
+    limits 2 and 4 each get a trace of their own, and a boot with 2 again loads its own (the
+    rows were once set after the trace file was named, so both limits shared one trace)."""
+    from kiln.config.speculative import SpeculativeConfig
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    traces = []
+    with caplog.at_level(logging.WARNING):
+        for limit in (2, 4, 2):
+            spec = SpeculativeConfig.from_json({"method": "ngram", "num_speculative_tokens": 2,
+                                                "prompt_lookup_min": 1,
+                                                "disable_by_batch_size": limit})  # fmt: skip
+            engine = _engine(tiny_models["qwen3_next"], CompilationConfig(mode=3), speculative=spec)
+            assert engine.runner.states.position_rows == 2 * limit
+            run_schedule(engine, _workload()[:2])
+            traces.append(engine.runner.compile_stats()["dynamo_trace"])
+            assert engine.stats().graphs["recompilations"] == 0
+            engine.close()
+    assert traces == ["traced and saved", "traced and saved", "loaded"]
+    assert not [r for r in caplog.records if "guard" in r.getMessage()]
+
+
 def test_mode_3_without_a_saved_trace_equals_eager(
     tiny_models, eager_reference, tmp_path, monkeypatch
 ):

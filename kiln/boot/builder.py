@@ -183,14 +183,13 @@ def _runner(
     sampling = Sampling(model.config.vocab_size, tokenizer.eos_token_ids, config.seed)
     trace_entry, no_trace = trace_place(config, entry)
     checkpoints = num_state_checkpoints(config, model.config.is_hybrid)
-    runner = ModelRunner(
-        model, attn_backend, plan, buffers, sampling, device, trace_entry, no_trace, checkpoints
-    )
-    if model.config.is_hybrid and config.speculative is not None:
-        # k state rows for each sequence that may verify drafts in a step
-        runner.position_pool_start = sched.max_num_seqs
-        runner.position_pool_seqs = min(sched.max_num_seqs, config.speculative.batch_size_limit)
-        runner.states_per_position_run = config.speculative.num_speculative_tokens
+    position_rows = (0, 0, 0)
+    if model.config.is_hybrid and (spec := config.speculative) is not None:
+        # k state rows for each sequence that may verify drafts in a step, after the slots
+        verifying = min(sched.max_num_seqs, spec.batch_size_limit)
+        position_rows = (sched.max_num_seqs, verifying, spec.num_speculative_tokens)
+    runner = ModelRunner(model, attn_backend, plan, buffers, sampling, device, trace_entry,
+                         no_trace, checkpoints, position_state_rows=position_rows)  # fmt: skip
     runner.pad_eager_steps = pads_eager_steps(config.eager_step_padding, device.type)
     return runner
 
@@ -216,8 +215,7 @@ def _allocate_kv_cache(
     capture ladder cut to the memory left instead."""
     runner, dtype = capture.runner, torch_dtype(config)
     # a hybrid's state entries beyond one slot per sequence: checkpoints, per-position states
-    pool = runner.position_pool_seqs * runner.states_per_position_run
-    checkpoints = runner.num_state_checkpoints + pool
+    checkpoints = runner.states.num_checkpoints + runner.states.position_rows
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,

@@ -242,7 +242,7 @@ class LLMEngine:
                     self.blocks.register_computed_blocks(seq)
                     saved = self.blocks.checkpoint_in_accepted(seq, len(tokens))
                     if saved is not None:
-                        self.runner.save_verified_state(seq, *saved)
+                        self.runner.states.save_verified(seq, *saved)
 
     def forget_warm_up(self) -> None:
         """After the boot's warm-up requests: an empty prefix cache, no steps counted."""

@@ -28,6 +28,7 @@ from kiln.models.interface import CausalModel
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 from kiln.runner.padding import padded_token_count
 from kiln.runner.sampler import SamplingBatch, sample
+from kiln.runner.state_pool import StatePool
 from kiln.runner.step_inputs import StepInputs, sample_rows_of, seq_starts_of
 from kiln.runner.verify import verify
 
@@ -59,22 +60,15 @@ class ModelRunner:
         no_trace_file: str = "no compile cache entry",
         num_state_checkpoints: int = 0,
         trace_role: str = "target",
+        position_state_rows: tuple[int, int, int] = (0, 0, 0),
     ) -> None:
         """`trace_entry`: the compile cache entry where mode 3 keeps Dynamo's trace
         (kiln/compiler/precompile.py); `no_trace_file`: why there is none;
         `num_state_checkpoints`: a hybrid model's prefix-cache state pool (state_checkpoints.py);
         `trace_role`: "target", or "drafter" for a speculative drafter's runner, whose trace
-        lies in the target's entry beside the target's."""
+        lies in the target's entry beside the target's; `position_state_rows`: a hybrid's
+        per-token verification states (state_pool.py)."""
         self.trace_role = trace_role
-        self.num_state_checkpoints = num_state_checkpoints
-        # hybrid models with speculative decoding (set by the boot): a verified run of 1 + k
-        # tokens keeps its state after each of its first k in a pool of state rows after the
-        # slots (k rows for each of up to `position_pool_seqs` verifying sequences), so that a
-        # rejection takes the state at the last kept token back
-        self.position_pool_start = 0
-        self.position_pool_seqs = 0
-        self.states_per_position_run = 0
-        self.verified_runs: dict[int, tuple[int, int]] = {}  # seq id -> (first row, kept)
         self.model, self.attn_backend, self.plan = model, attn_backend, plan
         self.buffers, self.device = buffers, device
         self.attn_builder = attn_backend.metadata_builder(buffers.max_tokens, device)
@@ -86,8 +80,9 @@ class ModelRunner:
         self.last_step: tuple[StepInputs, torch.Tensor] | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.linear_layers = model.linear_layers()
-        # per GDN layer: (conv, recurrent) of the slots, then of the checkpoints
-        self.state_tensors: list[list[tuple[torch.Tensor, torch.Tensor]]] = []
+        # before the compiled forward below: its trace file is keyed by the pools' sizes
+        self.states = StatePool(self.linear_layers, device, num_state_checkpoints,
+                                position_state_rows)  # fmt: skip
         self.counters = GraphCounters()
         self.graphs_captured = False  # set by the boot once every graph of the plan is
         self.pad_eager_steps = False  # kiln/runner/padding.py; set by the boot
@@ -114,9 +109,7 @@ class ModelRunner:
         static = {"block_size": block_size, "buffers": self.buffers.sizes(), "model": weights,
                   "role": self.trace_role}  # fmt: skip
         if self.linear_layers:  # the state pools are inputs of fixed size: the trace guards them
-            static["state_checkpoints"] = self.num_state_checkpoints
-            static["position_states"] = [self.position_pool_start, self.position_pool_seqs,
-                                         self.states_per_position_run]  # fmt: skip
+            static |= self.states.trace_key()
         # Dynamo's global-state guard holds the thread count: a trace saved with another would
         # fail at every boot and be traced again
         static["threads"] = torch.get_num_threads()
@@ -152,39 +145,7 @@ class ModelRunner:
         ]
         for (k_cache, v_cache), attn in zip(self.kv_caches, attention):
             attn.bind_cache(k_cache, v_cache)
-        self._allocate_states(dtype)
-
-    def _allocate_states(self, dtype: torch.dtype) -> None:
-        """A hybrid model's Gated DeltaNet states: one slot per sequence the scheduler may run,
-        then the prefix cache's checkpoints (`num_state_checkpoints`), the convolution's inputs
-        in the model's dtype, the delta rule's matrices in float32 (a slot is zeroed when a
-        sequence starts in it, a checkpoint written before it is read: empty is enough)."""
-        pool = self.position_pool_seqs * self.states_per_position_run
-        slots = self.position_pool_start + pool if pool else self.buffers.seq_lens.numel()
-        self.state_tensors = []
-        for layer in self.linear_layers:
-            states = [
-                self._state_tensors(layer, n, dtype) for n in (slots, self.num_state_checkpoints)
-            ]
-            layer.bind_states(*states[0], *states[1])
-            self.state_tensors.append(states)
-
-    def _state_tensors(self, layer, count: int, dtype: torch.dtype):
-        conv = torch.empty(count, layer.conv_dim, layer.conv1d.weight.shape[-1] - 1,
-                           dtype=dtype, device=self.device)  # fmt: skip
-        recurrent = torch.empty(count, layer.value_heads, layer.key_dim, layer.value_dim,
-                                dtype=torch.float32, device=self.device)  # fmt: skip
-        return conv, recurrent
-
-    def _restore_state(self, entry: int, slot: int) -> None:
-        for (conv, recurrent), (saved_conv, saved_recurrent) in self.state_tensors:
-            conv[slot].copy_(saved_conv[entry])
-            recurrent[slot].copy_(saved_recurrent[entry])
-
-    def _copy_slot(self, source: int, target: int) -> None:
-        for (conv, recurrent), _ in self.state_tensors:
-            conv[target].copy_(conv[source])
-            recurrent[target].copy_(recurrent[source])
+        self.states.allocate(self.buffers.seq_lens.numel(), dtype)
 
     # ---- one step -----------------------------------------------------------------------
 
@@ -241,22 +202,10 @@ class ModelRunner:
         num_drafts = [len(d) for d in drafts]
         out = SampledTokens(seqs, done.token_ids, done.logprobs, done.first_rows, num_drafts)
         if self.linear_layers:
-            self.verified_runs = {}
-            for i, seq in enumerate(seqs):
-                kept = num_drafts[i] - out.num_rejected(i) + 1
-                self.verified_runs[seq.seq_id] = (position_states[i], kept)
-                if out.num_rejected(i):  # the state went past the kept tokens: take theirs
-                    self._copy_slot(position_states[i] + kept - 1, seq.state_slot)
+            rejected = [out.num_rejected(i) for i in range(len(seqs))]
+            kept = [n - lost + 1 for n, lost in zip(num_drafts, rejected)]
+            self.states.keep_verified(seqs, kept, rejected, position_states)
         return out
-
-    def save_verified_state(self, seq: Sequence, num_tokens: int, entry: int) -> None:
-        """A hybrid's state after `num_tokens` of its last verified run, into prefix-cache
-        checkpoint `entry` (the slot holds the state after the kept ones, the pool the rest)."""
-        first_row, kept = self.verified_runs[seq.seq_id]
-        source = seq.state_slot if num_tokens == kept else first_row + num_tokens - 1
-        for (conv, recurrent), (saved_conv, saved_recurrent) in self.state_tensors:
-            saved_conv[entry].copy_(conv[source])
-            saved_recurrent[entry].copy_(recurrent[source])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """Lay the batch out decodes first, as the attention backends expect. A sequence's
@@ -274,7 +223,7 @@ class ModelRunner:
             num_drafts = max(0, first + n - seq.num_tokens)
             tokens = seq.token_ids[first : first + n] + seq.spec_token_ids[:num_drafts]
             if seq.restore_entry >= 0:  # a prefix hit starts from the state saved after it
-                self._restore_state(seq.restore_entry, seq.state_slot)
+                self.states.restore(seq.restore_entry, seq.state_slot)
                 seq.restore_entry = -1
             owner = len(sampling) if first + n >= seq.num_tokens else -1
             at = self._position_states(position_states) if num_drafts else -1
@@ -302,17 +251,9 @@ class ModelRunner:
         return StepInputs(layout, query_lens, sample_at, sampling, drafts, starts, position_states)
 
     def _position_states(self, taken: list[int]) -> int:
-        """A hybrid's verifying sequence: the first of the pool's state rows its run keeps its
-        per-token states in (the next free k of them); -1 for attention-only models."""
-        if not self.linear_layers:
-            return -1
-        used = sum(1 for at in taken if at >= 0)
-        if used >= self.position_pool_seqs:
-            raise RuntimeError(
-                f"{used + 1} sequences verify drafts in one step, but the state pool holds "
-                f"{self.position_pool_seqs}: the speculator's batch-size limit was not applied"
-            )
-        return self.position_pool_start + used * self.states_per_position_run
+        """A hybrid's verifying sequence: the first of the state rows its run keeps its
+        per-token states in; -1 for attention-only models."""
+        return self.states.position_row(taken) if self.linear_layers else -1
 
     def _run(self, inputs: StepInputs) -> torch.Tensor:
         wanted = dispatch(self.plan, describe(inputs.query_lens))
