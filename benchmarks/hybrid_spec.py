@@ -30,6 +30,7 @@ import time
 
 import torch
 from graph_modes import random_qwen3_next
+from speculative import acceptance
 
 from kiln import LLM, SamplingParams
 from tests.helpers import add_mtp_head
@@ -85,17 +86,11 @@ def measure(llm: LLM, prompts, tokens: int, rounds: int, accept: float | None) -
         ms, got = one_round(llm, prompts, tokens)
         fast.append(ms)
         same += [a == b for a, b in zip(want, got)]
-    st = spec.stats
-    drafts = st.num_drafts - before["num_drafts"]
-    drafted = st.num_draft_tokens - before["num_draft_tokens"]
-    accepted = st.num_accepted_tokens - before["num_accepted_tokens"]
     return {
         "plain_ms": statistics.median(plain),
         "spec_ms": statistics.median(fast),
         "ratio": statistics.median(f / p for f, p in zip(fast, plain)),
-        "acceptance": accepted / drafted if drafted else 0.0,
-        "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-        "draft_ms_per_step": (st.draft_s - before["draft_s"]) * 1e3 / max(drafts, 1),
+        **acceptance(spec.stats, before),
         "same_tokens": f"{sum(same)}/{len(same)}",
     }
 

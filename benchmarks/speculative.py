@@ -92,17 +92,25 @@ def measure(llm: LLM, spec: Speculator, batches, tokens: int, rounds: int) -> di
             rate, got = one_round(llm, batch, tokens)
             fast.append(rate)
             same += [a == b for a, b in zip(want, got)]
-    st = spec.stats
-    drafted = st.num_draft_tokens - before["num_draft_tokens"]
-    accepted = st.num_accepted_tokens - before["num_accepted_tokens"]
-    drafts = st.num_drafts - before["num_drafts"]
     return {
         "plain_tok_s": statistics.median(plain),
         "spec_tok_s": statistics.median(fast),
         "speedup": statistics.median(f / p for f, p in zip(fast, plain)),
+        **acceptance(spec.stats, before),
+        "same_tokens": f"{sum(same)}/{len(same)}",
+    }
+
+
+def acceptance(stats, before: dict) -> dict:
+    """The speculator's acceptance since `before` (a copy of its stats' fields): the share of
+    drafted tokens accepted, tokens per verified draft run, and drafting ms per run."""
+    drafts = stats.num_drafts - before["num_drafts"]
+    drafted = stats.num_draft_tokens - before["num_draft_tokens"]
+    accepted = stats.num_accepted_tokens - before["num_accepted_tokens"]
+    return {
         "acceptance": accepted / drafted if drafted else 0.0,
         "mean_accepted_length": 1 + accepted / drafts if drafts else 0.0,
-        "same_tokens": f"{sum(same)}/{len(same)}",
+        "draft_ms_per_step": (stats.draft_s - before["draft_s"]) * 1e3 / max(drafts, 1),
     }
 
 
