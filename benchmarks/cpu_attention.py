@@ -96,12 +96,18 @@ def main() -> None:
     ap.add_argument("--min-run", type=int, default=defaults.min_run)
     ap.add_argument("--part-tokens", type=int, default=defaults.part_tokens)
     ap.add_argument("--max-parts", type=int, default=defaults.max_parts)
+    ap.add_argument(
+        "--decode-kernel",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="the cpu column's C++ decode kernel (on: even where not vectorised)",
+    )
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = ap.parse_args()
     keep_freed_memory()  # as the engine does on the CPU: no fresh pages for every gather
     dtype = getattr(torch, args.dtype)
     tuning = CpuAttentionTuning(args.gather_max_bytes, args.gather_budget_bytes, args.min_run,
-                                args.part_tokens, args.max_parts)  # fmt: skip
+                                args.part_tokens, args.max_parts, args.decode_kernel)  # fmt: skip
     shape = AttentionShape(*SHAPES[args.shape])
     backends = {
         "torch": TorchPagedAttentionBackend(dtype),

@@ -251,26 +251,28 @@ def _decodes(layout):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
-@pytest.mark.parametrize("build", ["native", "avx512", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     """Decode rows of 8, 13, 16 and 31 keys (mid-block and block edges, fragmented blocks) at
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
-    kernel's scalar loops, against float64 by hand; every build of the kernel: this machine's,
-    AVX-512 without BF16 dot products, and the portable loops."""
+    kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
+    its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops."""
     from kiln.attention import cpu_kernel
 
     heads, kv_heads, dim = shape
     cpu_flags = cpu_kernel._cpu_flags().split()
-    if build == "avx512" and "avx512f" not in cpu_flags:
-        pytest.skip("this CPU has no AVX-512")
+    needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())
+    if any(flag not in cpu_flags for flag in needs):
+        pytest.skip(f"this CPU has no {' and '.join(needs)}")
     generic = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native")
-    native_isa = 2 if "avx512_bf16" in cpu_flags else 1 if "avx512f" in cpu_flags else 0
+    native_isa = (3 if "avx512_bf16" in cpu_flags else 2 if "avx512f" in cpu_flags else
+                  1 if {"avx2", "fma"} <= set(cpu_flags) else 0)  # fmt: skip
+    builds = {"avx512": (("-mavx512f",), 2), "avx2": (("-mavx2", "-mfma"), 1), "portable": ((), 0)}
     if build == "native":
         kernel, isa = cpu_kernel.paged_decode_kernel(), native_isa
-    elif build == "avx512":
-        kernel, isa = cpu_kernel.load_paged_decode((*generic, "-mavx512f")), 1
     else:
-        kernel, isa = cpu_kernel.load_paged_decode(generic), 0
+        extra, isa = builds[build]
+        kernel = cpu_kernel.load_paged_decode((*generic, *extra))
     assert kernel is not None and kernel.isa == isa
     caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
     layout = _decodes(layout)  # this step's keys and values written as the op writes them:
@@ -292,7 +294,7 @@ def test_an_unknown_decode_kernel_choice_is_refused():
 def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     """`--attention-backend cpu-flash` keeps every row on the flash-kernel paths (the way back
     if the kernel misbehaves, and the A/B of the benchmarks); `cpu` takes the kernel where it
-    was built with AVX-512."""
+    was built with AVX2 or AVX-512."""
     from kiln.attention import cpu_kernel
     from kiln.attention.selector import select_backend
 
@@ -305,6 +307,6 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     # `kiln info` and /v1/engine say which kernels were taken, and why not
     assert flash.describe() == "cpu-flash (flash kernel throughout; the C++ decode kernel: off)"
     if with_kernel.decode_kernel:
-        assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX-512")
+        assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX")
     fp16 = select_backend("cpu", cpu, BS, shape, torch.float16)
     assert "not for this dtype or head shape" in fp16.describe()

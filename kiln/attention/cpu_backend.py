@@ -65,8 +65,8 @@ class CpuAttentionTuning:
     part_tokens: int = 1024  # a decode run is cut into parts of at least this many tokens
     max_parts: int = 32
     # decode rows through the C++ kernel (csrc/paged_decode.cpp): "auto" where it was built
-    # with AVX-512 (2.1-4.9x the flash kernel's paths, docs/performance.md), "on" also with
-    # its portable loops, "off" never
+    # with AVX2 or AVX-512 (1.1-4.7x the flash kernel's paths, docs/performance.md), "on" also
+    # with its portable loops, "off" never
     decode_kernel: str = "auto"
 
 

@@ -1,11 +1,11 @@
 """The CPU decode-attention kernel (`csrc/paged_decode.cpp`), built at first use with the
 machine's C++ compiler and loaded with ctypes.
 
-Built, not shipped: `-march=native` gives it the CPU's AVX-512 and AVX512-BF16 where they
-exist, and the compiler it needs is the one Inductor already needs for mode 3 on the CPU. The
-library is cached under kiln's cache directory, keyed by the source, the flags, the compiler's
-version and the CPU's flags, so a boot after the first only loads it. Where it cannot be built
-(no compiler) the backend keeps its PyTorch path, and says so once."""
+Built, not shipped: `-march=native` gives it the CPU's AVX-512 and AVX512-BF16, or AVX2 and
+FMA, where they exist, and the compiler it needs is the one Inductor already needs for mode 3 on
+the CPU. The library is cached under kiln's cache directory, keyed by the source, the flags, the
+compiler's version and the CPU's flags, so a boot after the first only loads it. Where it cannot
+be built (no compiler) the backend keeps its PyTorch path, and says so once."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEADS, MAX_HEAD_DIM = 64, 256
-ISA_NAMES = {0: "portable loops", 1: "AVX-512", 2: "AVX-512 with BF16 dot products"}
+ISA_NAMES = {0: "portable loops", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 with BF16 dot products"}
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class PagedDecodeKernel:
     """The loaded library: `run` attends decode rows over the paged cache in place."""
 
     library: ctypes.CDLL
-    isa: int  # 0 portable, 1 AVX-512, 2 AVX512-BF16
+    isa: int  # 0 portable, 1 AVX2 with FMA, 2 AVX-512, 3 AVX512-BF16
 
     @property
     def vectorized(self) -> bool:
@@ -91,7 +91,7 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
 def load_paged_decode(flags: tuple[str, ...]) -> PagedDecodeKernel:
     """The kernel built with `flags` (cached on disk by them), loaded; raises where it cannot be
     built or loaded. `paged_decode_kernel` is the engine's; other flags are for tests (the
-    portable build of a machine without AVX-512: FLAGS without -march=native)."""
+    portable build: FLAGS without -march=native)."""
     library = ctypes.CDLL(str(_built_library(flags)))
     _declare(library)
     return PagedDecodeKernel(library, library.kiln_paged_decode_isa())

@@ -9,15 +9,15 @@
 // running max and sum (online softmax), as flash-decoding splits a long context.
 //
 // Built at first use by kiln/attention/cpu_kernel.py with the machine's compiler
-// (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, portable
-// loops otherwise.
+// (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, else AVX2
+// with FMA, else portable loops.
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -46,22 +46,59 @@ inline void from_float(uint16_t* p, float x) {  // round to nearest even, NaN ke
   *p = static_cast<uint16_t>(u >> 16);
 }
 
+// The vector layer: W float32 lanes, AVX-512 (16) or AVX2 with FMA (8); KILN_SIMD where either.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {
+#define KILN_SIMD 1
+constexpr int64_t W = 16;
+using vf = __m512;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline vf vload(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
+inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
+inline vf vpow2(vf p, vf fi) { return _mm512_scalef_ps(p, fi); }  // p * 2^fi
+inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KILN_SIMD 1
+constexpr int64_t W = 8;
+using vf = __m256;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline vf vload(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
+inline float vsum(vf x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+// p * 2^fi for whole fi in [-126, 0]: the power built in the exponent field
+inline vf vpow2(vf p, vf fi) {
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+inline vf vfloor(vf x) { return _mm256_floor_ps(x); }
 #endif
 
 // q . k over head_dim d, in float32 (keys widened as they are loaded)
 template <typename KV>
 inline float dot_f32(const float* qf, const KV* k, int64_t d) {
-#if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) acc = _mm512_fmadd_ps(load16(qf + i), load16(k + i), acc);
-    return _mm512_reduce_add_ps(acc);
+#if defined(KILN_SIMD)
+  if (d % W == 0) {
+    vf acc = vzero();
+    for (int64_t i = 0; i < d; i += W) acc = vfmadd(vload(qf + i), vload(k + i), acc);
+    return vsum(acc);
   }
 #endif
   float s = 0.f;
@@ -91,13 +128,13 @@ inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t
 // acc[g] += p[g * TILE] * v for the g query heads sharing one KV head's value row v
 template <typename KV>
 inline void add_weighted(const float* p, float* acc, const KV* v, int64_t group, int64_t d) {
-#if defined(__AVX512F__)
-  if (d % 16 == 0) {
-    for (int64_t i = 0; i < d; i += 16) {
-      const __m512 vv = load16(v + i);
+#if defined(KILN_SIMD)
+  if (d % W == 0) {
+    for (int64_t i = 0; i < d; i += W) {
+      const vf vv = vload(v + i);
       for (int64_t g = 0; g < group; ++g) {
         float* a = acc + g * d + i;
-        _mm512_storeu_ps(a, _mm512_fmadd_ps(_mm512_set1_ps(p[g * TILE]), vv, _mm512_loadu_ps(a)));
+        vstore(a, vfmadd(vset(p[g * TILE]), vv, vload(a)));
       }
     }
     return;
@@ -109,35 +146,32 @@ inline void add_weighted(const float* p, float* acc, const KV* v, int64_t group,
 
 // s[j] = exp(s[j] - mx) for j < n, returns their sum
 inline float exp_sum(float* s, int64_t n, float mx) {
-#if defined(__AVX512F__)
-  // 2^(x log2 e): the integer part by scalef, the fraction by a degree-6 polynomial
-  // (relative error about 2e-7, as libm's expf)
-  const __m512 m = _mm512_set1_ps(mx), log2e = _mm512_set1_ps(1.44269504088896341f);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 k = n - j >= 16 ? 0xffff : static_cast<__mmask16>((1u << (n - j)) - 1);
-    const __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + j), m),
-                                   _mm512_set1_ps(-87.f));
-    const __m512 t = _mm512_mul_ps(x, log2e);
-    const __m512 fi = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, fi);
-    __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    p = _mm512_maskz_mov_ps(k, _mm512_scalef_ps(p, fi));
-    _mm512_mask_storeu_ps(s + j, k, p);
-    total = _mm512_add_ps(total, p);
-  }
-  return _mm512_reduce_add_ps(total);
-#else
+  int64_t j = 0;
   float total = 0.f;
-  for (int64_t j = 0; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
-  return total;
+#if defined(KILN_SIMD)
+  // 2^(x log2 e): the integer part in the exponent, the fraction by a degree-6 polynomial
+  // (relative error about 2e-7, as libm's expf)
+  const vf m = vset(mx), log2e = vset(1.44269504088896341f);
+  vf sum = vzero();
+  for (; j + W <= n; j += W) {
+    const vf x = vmax(vload(s + j) - m, vset(-87.f));
+    const vf t = x * log2e;
+    const vf fi = vfloor(t);
+    const vf f = t - fi;
+    vf p = vset(1.535336188319500e-4f);
+    p = vfmadd(p, f, vset(1.339887440266574e-3f));
+    p = vfmadd(p, f, vset(9.618437357674640e-3f));
+    p = vfmadd(p, f, vset(5.550332471162809e-2f));
+    p = vfmadd(p, f, vset(2.402264791363012e-1f));
+    p = vfmadd(p, f, vset(6.931472028550421e-1f));
+    p = vpow2(vfmadd(p, f, vset(1.0f)), fi);
+    vstore(s + j, p);
+    sum = sum + p;
+  }
+  total = vsum(sum);
 #endif
+  for (; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  return total;
 }
 
 // The cache rows (element offsets) of keys [t, t + n) of a request with block table `table`.
@@ -235,11 +269,13 @@ void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const i
 
 extern "C" {
 
-// 2 when built with AVX512-BF16, 1 with AVX-512, 0 with portable loops
+// 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
 #if defined(__AVX512BF16__)
-  return 2;
+  return 3;
 #elif defined(__AVX512F__)
+  return 2;
+#elif defined(KILN_SIMD)
   return 1;
 #else
   return 0;
