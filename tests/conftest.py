@@ -150,6 +150,30 @@ def make_tiny_model(root: str, name: str, tokenizer_dir: str, seed: int = 0) -> 
     return path
 
 
+# Qwen3.5's image-text checkpoints (their text models are TINY_VARIANTS' qwen3_5 and
+# qwen3_5_moe) with a one-block vision tower
+VISION_LANGUAGE_VARIANTS = {"qwen3_5_vl": ("Qwen3_5Config", "qwen3_5"),
+                            "qwen3_5_moe_vl": ("Qwen3_5MoeConfig", "qwen3_5_moe")}  # fmt: skip
+TINY_VISION = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=4,
+                   out_hidden_size=64, num_position_embeddings=16)  # fmt: skip
+
+
+def make_tiny_vision_language_model(root: str, name: str, tokenizer_dir: str) -> str:
+    import transformers
+
+    cls_name, text_variant = VISION_LANGUAGE_VARIANTS[name]
+    text = dict(vocab_size=49152, bos_token_id=1, eos_token_id=2, **TINY,
+                **TINY_VARIANTS[text_variant][1])  # fmt: skip
+    torch.manual_seed(0)
+    cfg = getattr(transformers, cls_name)(text_config=text, vision_config=TINY_VISION)
+    model = getattr(transformers, cls_name.replace("Config", "ForConditionalGeneration"))(cfg)
+    path = os.path.join(root, name)
+    model.save_pretrained(path)
+    for f in os.listdir(tokenizer_dir):
+        shutil.copy(os.path.join(tokenizer_dir, f), path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     root = str(tmp_path_factory.mktemp("tiny"))

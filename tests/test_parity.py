@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from tests.conftest import TINY_VARIANTS
+from tests.conftest import TINY_VARIANTS, VISION_LANGUAGE_VARIANTS, make_tiny_vision_language_model
 from tests.helpers import make_engine, run_schedule
 
 GEN = 6
@@ -111,3 +111,44 @@ def test_mixed_batches_really_mixed(tiny_models):
     run_schedule(engine, [(t, p, params) for t, p in zip(ARRIVALS, _prompts())])
     assert any(n[0] == 1 and n[-1] > 1 for n in seen), seen
     assert any(n[-1] == 24 or sum(n) == 24 for n in seen)  # the token budget chunked a prompt
+
+
+@pytest.mark.parametrize("name", list(VISION_LANGUAGE_VARIANTS))
+def test_an_image_text_checkpoint_serves_its_text_model(tokenizer_dir, tmp_path, caplog, name):
+    """Qwen3.5's released checkpoints are image-text models (`model.language_model.*`,
+    `model.visual.*`, the text config nested): kiln serves the text model with the logits of
+    HF's image-text model on text, and says it left the vision tower unread."""
+    import transformers
+
+    path = make_tiny_vision_language_model(str(tmp_path), name, tokenizer_dir)
+    with caplog.at_level("WARNING", logger="kiln.loader.hf"):
+        engine = make_engine(path, max_num_batched_tokens=24)
+    vision = [r.getMessage() for r in caplog.records if "vision tower" in r.getMessage()]
+    assert len(vision) == 1 and "tensors are not loaded" in vision[0]
+    text_model = {"qwen3_5_vl": "Qwen3_5ForCausalLM", "qwen3_5_moe_vl": "Qwen3_5MoeForCausalLM"}
+    assert engine.model_config.architecture == text_model[name]
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(path).eval()
+    prompts = _prompts()
+    finals, logits = _run(engine, prompts)
+    _check(hf, prompts, finals, logits)
+
+
+def test_a_qwen3moe_gguf_matches_hf(tiny_models, hf_models, tmp_path):
+    """llama.cpp's `qwen3moe` file layout (experts stacked per projection, the router as
+    `ffn_gate_inp`, a dense layer without one, the top-k renormalisation flag) gives the HF
+    model's logits."""
+    import gguf
+
+    from kiln.loader.gguf import GGUFSource
+    from tests.gguf_files import write_gguf
+
+    path = tmp_path / "tiny-moe.gguf"
+    write_gguf(path, hf_models["qwen3_moe"], lambda name: gguf.GGMLQuantizationType.F32,
+               arch="qwen3moe")  # fmt: skip
+    config = GGUFSource(str(path)).config
+    assert config.architecture == "Qwen3MoeForCausalLM" and config.sparse_layers == (0,)
+    assert (config.moe.num_experts, config.moe.top_k, config.moe.norm_topk_prob) == (4, 2, False)
+    engine = make_engine(str(path), tokenizer=tiny_models["qwen3_moe"], max_num_batched_tokens=24)
+    prompts = _prompts()
+    finals, logits = _run(engine, prompts)
+    _check(hf_models["qwen3_moe"], prompts, finals, logits)

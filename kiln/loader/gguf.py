@@ -1,6 +1,11 @@
 """GGUF files: metadata -> ModelConfig (read by gguf_file.py), tensors dequantized to the
 compute dtype with the `gguf` package or read as 4-bit planes (gguf_quant.py), tokenizer and
-chat template from the file's metadata (via transformers)."""
+chat template from the file's metadata (via transformers).
+
+Mixture-of-experts files (`qwen3moe`) hold each layer's experts as three stacked tensors,
+`ffn_{gate,up,down}_exps` [experts, rows, columns]; they are handed to the model one expert at a
+time, under the names transformers saves them with. A layer without a router (`ffn_gate_inp`)
+is a dense one."""
 
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
 from kiln.loader.tokenizer import Tokenizer
-from kiln.models.config import ModelConfig
+from kiln.models.config import ModelConfig, MoEConfig
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +33,7 @@ GGUF_ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
 SUPPORTED_TENSOR_TYPES = (
     "F32",
@@ -57,7 +63,9 @@ _LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    "ffn_gate_inp": "mlp.gate",  # the router
 }
+_EXPERT_NAMES = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
@@ -66,10 +74,14 @@ _GLOBAL_NAMES = {
 
 
 def hf_tensor_name(gguf_name: str) -> str | None:
-    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'."""
+    """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; stacked experts
+    'blk.3.ffn_up_exps.weight' -> 'model.layers.3.mlp.experts.{}.up_proj.weight', a pattern
+    for each expert's name."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
+    if m and m.group(2) in _EXPERT_NAMES and m.group(3) == "weight":
+        return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[m.group(2)]}.weight"
     base, _, leaf = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
 
@@ -133,7 +145,9 @@ class GGUFSource(ModelSource):
             architecture=GGUF_ARCHITECTURES[a],
             vocab_size=vocab,
             hidden_size=hidden,
-            intermediate_size=self._field(f"{a}.feed_forward_length"),
+            # a file whose layers all have experts may leave the dense size out
+            intermediate_size=self._field(f"{a}.feed_forward_length")
+            or self._field(f"{a}.expert_feed_forward_length"),
             num_layers=self._field(f"{a}.block_count"),
             num_heads=heads,
             num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
@@ -147,7 +161,24 @@ class GGUFSource(ModelSource):
             qk_norm="blk.0.attn_q_norm.weight" in names,
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (eos,),
+            **self._moe_config(names),
         )
+
+    def _moe_config(self, names: set[str]) -> dict[str, Any]:
+        """The experts' shape, and which layers have them (those with a router)."""
+        a, experts = self.arch, self._field(f"{self.arch}.expert_count") or 0
+        if not experts:
+            return {}
+        moe = MoEConfig(
+            num_experts=experts,
+            top_k=self._field(f"{a}.expert_used_count"),
+            intermediate_size=self._field(f"{a}.expert_feed_forward_length"),
+            # llama.cpp renormalises qwen3moe's top-k weights unless the file says otherwise
+            norm_topk_prob=bool(self._field(f"{a}.expert_weights_norm", True)),
+        )
+        layers = self._field(f"{a}.block_count")
+        sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names)
+        return {"moe": moe, "sparse_layers": sparse}
 
     def _rope_scaling(self) -> dict[str, Any] | None:
         kind = self._field(f"{self.arch}.rope.scaling.type")
@@ -177,12 +208,17 @@ class GGUFSource(ModelSource):
                 yield name, packed if heads is None else _unpermute_planes(packed, heads)
                 continue
             dense = str(dtype).removeprefix("torch.")
-            became[f"{kind} as {dense}" if kind in ("F32", "F16", "BF16")
-                   else f"{kind} dequantized to {dense}"] += 1  # fmt: skip
+            what = "experts " if "{}" in name else ""
+            became[f"{kind} {what}as {dense}" if kind in ("F32", "F16", "BF16")
+                   else f"{kind} {what}dequantized to {dense}"] += 1  # fmt: skip
             data = dequantize(t)
             if heads is not None:
                 data = unpermute_qk(data, heads)
-            yield name, torch.from_numpy(np.array(data, dtype=np.float32)).to(dtype)
+            weight = torch.from_numpy(np.array(data, dtype=np.float32)).to(dtype)
+            if "{}" in name:  # stacked experts, one at a time
+                yield from ((name.format(e), w) for e, w in enumerate(weight))
+                continue
+            yield name, weight
         logger.info("GGUF tensors: %s", ", ".join(f"{n} {what}" for what, n in became.items()))
 
     def _permuted_heads(self, name: str) -> int | None:

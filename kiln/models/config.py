@@ -21,6 +21,12 @@ SUPPORTED_ARCHITECTURES = (
 # Gated DeltaNet models; Qwen3.5 projects q/k/v, z, b and a separately, Qwen3-Next in two
 # matrices grouped by key head
 HYBRID_ARCHITECTURES = ("Qwen3NextForCausalLM", "Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# image-text checkpoints whose text model kiln serves: the language model's config is their
+# `text_config`, its weights `model.language_model.*` (hf.py), the vision tower is not loaded
+VISION_LANGUAGE_ARCHITECTURES = {
+    "Qwen3_5ForConditionalGeneration": "Qwen3_5ForCausalLM",
+    "Qwen3_5MoeForConditionalGeneration": "Qwen3_5MoeForCausalLM",
+}
 
 
 @dataclass(frozen=True)
@@ -172,18 +178,40 @@ def _rope_from_hf(cfg: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     return float(theta), scaling
 
 
-def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+def hf_architecture(cfg: dict[str, Any]) -> str:
+    """The architecture config.json names, or the one its model_type implies ("" if neither)."""
     archs = cfg.get("architectures") or []
-    arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
+    return archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(cfg.get("model_type", ""), "")
+
+
+def text_model_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """An image-text checkpoint's config as its text model's own: the `text_config`, with the
+    fields HF keeps at the top level (the tie of the output head, the special tokens)."""
+    text = dict(cfg.get("text_config") or {})
+    if not text:
+        raise ModelLoadError(f"config.json of {hf_architecture(cfg)} has no text_config")
+    text["tie_word_embeddings"] = cfg.get("tie_word_embeddings", False)  # HF reads the top's
+    for key in ("bos_token_id", "eos_token_id"):
+        if text.get(key) is None and cfg.get(key) is not None:
+            text[key] = cfg[key]
+    text["architectures"] = [VISION_LANGUAGE_ARCHITECTURES[hf_architecture(cfg)]]
+    return text
+
+
+def model_config_from_hf(cfg: dict[str, Any]) -> ModelConfig:
+    arch = hf_architecture(cfg)
+    if arch in VISION_LANGUAGE_ARCHITECTURES:
+        cfg = text_model_config(cfg)
+        arch = hf_architecture(cfg)
     if not arch:
         raise ModelLoadError(
             "config.json names no architecture; expected one of "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
+            + ", ".join((*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES))
         )
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(
             f"unsupported architecture {arch!r}; kiln supports "
-            + ", ".join(SUPPORTED_ARCHITECTURES)
+            + ", ".join((*SUPPORTED_ARCHITECTURES, *VISION_LANGUAGE_ARCHITECTURES))
         )
     try:
         heads = cfg["num_attention_heads"]
@@ -271,4 +299,6 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_next": "Qwen3NextForCausalLM",
     "qwen3_5_text": "Qwen3_5ForCausalLM",
     "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM",
+    "qwen3_5": "Qwen3_5ForConditionalGeneration",
+    "qwen3_5_moe": "Qwen3_5MoeForConditionalGeneration",
 }
