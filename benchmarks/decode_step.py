@@ -13,13 +13,15 @@ around the runner (scheduler, block manager, detokenizer, output).
     python benchmarks/decode_step.py --configs none:bfloat16:3 --streams 16 --context 512
                                                     # a step of 16 concurrent streams
 
-A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND]. Numbers are milliseconds per
-decode step; the profiled rows count each op's own time under the nearest linear or attention
-op that called it (an attention op's flash kernel and copies are attention)."""
+A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND[:INDUCTOR_OPTIONS]], the last a
+JSON object of Inductor options (`auto:float32:3:auto:{"cpp_wrapper": true}`). Numbers are
+milliseconds per decode step; the profiled rows count each op's own time under the nearest
+linear or attention op that called it (an attention op's flash kernel and copies are attention)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -64,10 +66,12 @@ class Timers:
 
 
 def measure(spec: str, tokens: int, threads: int, context: int, streams: int) -> dict[str, float]:
-    quantization, dtype, mode, *backend = spec.split(":")
+    quantization, dtype, mode, *rest = spec.split(":", 4)
+    backend, options = (rest + ["auto", "{}"][len(rest) :])[:2]
     torch.set_num_threads(threads)
-    llm = LLM(quantization=quantization, dtype=dtype, compilation_config={"mode": int(mode)},
-              attention_backend=backend[0] if backend else "auto")  # fmt: skip
+    compilation = {"mode": int(mode), "inductor_compile_config": json.loads(options)}
+    llm = LLM(quantization=quantization, dtype=dtype, compilation_config=compilation,
+              attention_backend=backend)  # fmt: skip
     prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen

@@ -22,8 +22,9 @@ PART=${1:-all}
 python -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 
 if [[ $PART == all || $PART == tests ]]; then
-  # real CUDA graphs in the five modes vs eager, graph misses, graph memory vs the reservation,
-  # and speculative verification (1 + k tokens per sequence) in FULL graphs.
+  # real CUDA graphs in the five modes vs eager (dense, and a hybrid with the Triton Gated
+  # DeltaNet core), graph misses, graph memory vs the reservation, and speculative
+  # verification (1 + k tokens per sequence) in FULL graphs.
   # -v: each test's result is logged as it finishes, so a run cut at the deadline still says
   # which passed; --durations shows where the time went
   timeout 240 python -m pytest -v -m cuda --durations=8 tests/test_cuda.py \
@@ -33,7 +34,8 @@ fi
 if [[ $PART == all || $PART == triton ]]; then
   # the Triton kernel on the GPU, compiled (the tests that run it in the interpreter on the CPU),
   # split-KV included: ~30 specializations (head layouts, block sizes, segment counts) to compile
-  timeout 90 python -m pytest -q tests/test_triton_backend.py 2>&1 | tee "$OUT/triton_tests.log" | tail -4
+  timeout 90 python -m pytest -q tests/test_triton_backend.py tests/test_gdn_triton.py 2>&1 \
+    | tee "$OUT/triton_tests.log" | tail -4
 fi
 if [[ $PART == all || $PART == attention ]]; then
   # the Triton kernel against the pure-PyTorch backend and fused SDPA on contiguous keys, and

@@ -55,8 +55,9 @@ def _engine(
 
 
 @pytest.mark.parametrize("mode", [0, 3])
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_next", "qwen3_5"])
 def test_cuda_logits_match_hf(tiny_models, name, mode):
+    """The hybrids' Gated DeltaNet layers take the Triton core beside the Triton backend."""
     engine = _engine(
         tiny_models[name], "float32", CompilationConfig(mode=mode, cudagraph_mode="NONE")
     )
@@ -127,6 +128,29 @@ def test_cuda_graph_mode_equals_eager(tiny_models, eager_reference, graph_mode):
     assert st.graphs["piecewise_input_copies"] == 0
     if graph_mode != "NONE":
         assert engine.boot.capture.graphs > 0
+
+
+@pytest.fixture(scope="module")
+def hybrid_eager_reference(tiny_models):
+    engine = _engine(tiny_models["qwen3_next"], "float32",
+                     CompilationConfig(mode=0, cudagraph_mode="NONE"))  # fmt: skip
+    return run_schedule(engine, _workload(), record_logits=True)
+
+
+@pytest.mark.parametrize("graph_mode", GRAPH_MODES)
+def test_cuda_hybrid_graph_mode_equals_eager(tiny_models, hybrid_eager_reference, graph_mode):
+    """A hybrid (Gated DeltaNet layers, experts) in real CUDA graphs: the Triton core is
+    captured, so every mode stays what was asked, and prefix hits restore saved states."""
+    config = CompilationConfig(mode=3, cudagraph_mode=graph_mode, cudagraph_capture_sizes=SIZES)
+    engine = _engine(tiny_models["qwen3_next"], "float32", config)
+    assert engine.plan.cudagraph_mode.value == graph_mode and not engine.plan.changes
+    finals, logits = run_schedule(engine, _workload(), record_logits=True)
+    _assert_equals_reference(finals, logits, *hybrid_eager_reference)
+    st = engine.stats()
+    assert finals["5"].num_cached_tokens > 0
+    assert st.graphs["graph_misses"] == 0 and st.graphs["recompilations"] == 0
+    slots = engine.blocks.state_slots
+    assert slots.num_free == slots.num_slots
 
 
 @pytest.mark.parametrize("graph_mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])

@@ -1,8 +1,8 @@
 """Hybrid models (Qwen3-Next: Gated DeltaNet layers beside attention layers) in the engine:
 state slots taken and given back with a sequence's blocks (preemption and abort leak none, and
 a preempted sequence recomputed into a fresh slot gives the same tokens), the state memory
-sized beside the KV cache, prefix hits starting from the saved state, mode 3 and piecewise
-graphs equal to eager (FULL resolved loudly: the GDN op is not capturable). HF parity is in
+sized beside the KV cache, prefix hits starting from the saved state, mode 3 and graphs equal
+to eager (FULL captured with the Triton core, resolved loudly with the PyTorch one). HF parity is in
 test_parity.py, the delta rule in test_gdn.py."""
 
 from __future__ import annotations
@@ -201,29 +201,56 @@ def test_mode_3_without_a_saved_trace_equals_eager(
     assert engine.stats().graphs["recompilations"] == 0
 
 
-def test_graphs_split_at_both_ops_and_full_resolves_to_piecewise(
-    tiny_models, eager_reference, caplog
-):
-    """FULL_AND_PIECEWISE asked with the FULL-capable Triton attention: the Gated DeltaNet op
-    cannot be captured, so the plan says so and resolves to PIECEWISE; the pieces split at the
-    attention op and the GDN op, and every step replays a piecewise graph."""
+@pytest.mark.parametrize("mode", ["FULL_AND_PIECEWISE", "FULL"])
+def test_full_graphs_capture_the_triton_core(tiny_models, eager_reference, mode):
+    """With the Triton attention backend the Gated DeltaNet layers take the Triton core, whose
+    launches depend on the token count only: FULL stays FULL (decode steps, and with FULL every
+    step, replay whole-forward graphs), the pieces split at attention and at that core, and the
+    tokens and logits equal the CPU backend's eager run with the PyTorch core."""
     pytest.importorskip("triton")
     from kiln.cudagraphs.graph_backend import EmulatedGraphBackend
 
-    config = CompilationConfig(mode=3, cudagraph_mode="FULL_AND_PIECEWISE",
+    config = CompilationConfig(mode=3, cudagraph_mode=mode,
                                cudagraph_capture_sizes=(1, 2, 4, 8, 16))  # fmt: skip
-    with caplog.at_level(logging.WARNING):
-        engine = _engine(tiny_models["qwen3_next"], config, attention_backend="triton",
-                         graph_backend=EmulatedGraphBackend())  # fmt: skip
-    assert engine.plan.cudagraph_mode.value == "PIECEWISE"
-    assert any("Gated DeltaNet op" in r.getMessage() for r in caplog.records)
-    assert "kiln::gdn_core" in engine.plan.splitting_ops
+    engine = _engine(tiny_models["qwen3_next"], config, attention_backend="triton",
+                     graph_backend=EmulatedGraphBackend())  # fmt: skip
+    assert engine.plan.cudagraph_mode.value == mode
+    pieces = mode == "FULL_AND_PIECEWISE"  # FULL alone compiles one graph, no split
+    assert ("kiln::gdn_core_triton" in engine.plan.splitting_ops) == pieces
     _assert_same(engine, eager_reference)
     st = engine.stats()
-    assert {m for m, n in st.graphs["steps"].items() if n} == {"PIECEWISE"}
+    replayed = {m for m, n in st.graphs["steps"].items() if n}
+    assert replayed == ({"FULL", "PIECEWISE"} if mode == "FULL_AND_PIECEWISE" else {"FULL"})
     assert st.graphs["graph_misses"] == 0
     layers = engine.model_config.num_layers  # one splitting op each: GDN or attention
-    assert engine.runner.compile_stats()["pieces"] == layers + 1
+    assert engine.runner.compile_stats()["pieces"] == (layers + 1 if pieces else 1)
+    assert engine.blocks.state_slots.num_free == engine.blocks.state_slots.num_slots
+
+
+def test_the_pytorch_core_resolves_full_to_piecewise_loudly(tiny_models):
+    """The PyTorch core reads the batch on the host, so a plan whose attention could be
+    captured whole still cannot capture its layers: FULL is resolved to PIECEWISE with a
+    warning that names the Gated DeltaNet op (strict: an error)."""
+    from kiln.boot.preview import device_caps, mixer_caps
+    from kiln.config.graph_plan import GraphSupport, resolve_graph_plan
+    from kiln.cudagraphs.graph_backend import EmulatedGraphBackend
+    from kiln.errors import ConfigError
+    from kiln.loader import open_model
+
+    class FullCapable:  # an attention backend that FULL graphs capture, beside the PyTorch core
+        name, graph_support, splitting_ops, state_core = "full", GraphSupport.ALWAYS, (), "torch"
+
+    caps = mixer_caps(FullCapable(), open_model(tiny_models["qwen3_next"]).config)
+    assert caps.graph_support == GraphSupport.NEVER and "kiln::gdn_core" in caps.splitting_ops
+    device = device_caps(torch.device("cpu"), EmulatedGraphBackend())
+    kw = dict(max_num_batched_tokens=16, max_num_seqs=8, uniform_decode_query_len=1,
+              enforce_eager=False)  # fmt: skip
+    config = CompilationConfig(mode=3, cudagraph_mode="FULL")
+    plan = resolve_graph_plan(config, device, caps, strict=False, **kw)
+    assert plan.cudagraph_mode.value == "PIECEWISE"  # boot logs each change as a WARNING
+    assert any("Gated DeltaNet op (torch)" in c.message() for c in plan.changes)
+    with pytest.raises(ConfigError):
+        resolve_graph_plan(config, device, caps, strict=True, **kw)
 
 
 def test_the_server_streams_a_hybrid_model(tiny_models):

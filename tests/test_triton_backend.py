@@ -216,9 +216,10 @@ def test_attention_benchmark_checks_triton_against_torch():
         assert min(row["triton_us"], row["unsplit_us"], row["torch_us"], row["sdpa_us"]) > 0
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen3"])
+@pytest.mark.parametrize("name", ["llama", "qwen3", "qwen3_next", "qwen3_5"])
 @pytest.mark.parametrize("block_size", [16, 4])
 def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
+    """The hybrids' Gated DeltaNet layers take the Triton core beside this backend."""
     engine = make_engine(
         tiny_models[name],
         block_size=block_size,
@@ -229,7 +230,11 @@ def test_engine_on_triton_matches_hf(tiny_models, hf_models, name, block_size):
     prompts = _prompts()
     finals, logits = _run(engine, prompts)
     _check(hf_models[name], prompts, finals, logits)
-    assert finals["4"].num_cached_tokens >= 40 - block_size  # prefix hits read through it too
+    cached = finals["4"].num_cached_tokens  # prefix hits read through it too
+    if engine.model_config.is_hybrid:  # from a state checkpoint the Triton core saved
+        assert 0 < cached <= 40 and cached % block_size == 0
+    else:
+        assert cached >= 40 - block_size
 
 
 def test_backend_selection_errors():

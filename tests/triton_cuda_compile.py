@@ -2,7 +2,8 @@
 down to a cubin with its bundled ptxas. Run by tests/test_triton_backend.py in a child process
 (the tests' interpreter mode replaces the code generator):
 
-    python -m tests.triton_cuda_compile fp32|bf16|fp16 [segments]"""
+    python -m tests.triton_cuda_compile fp32|bf16|fp16 [segments]
+    python -m tests.triton_cuda_compile gdn fp32|bf16     # the Gated DeltaNet core's kernels"""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.attention import triton_backend, triton_kernel
+from kiln.layers import gdn_triton
 
 # a head dim that is not a power of two exercises the masks; 3 heads per KV head, an idle row
 CONSTANTS = {
@@ -66,7 +68,38 @@ def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str, segments:
         raise SystemExit("the key loops are not pipelined (no cp.async prefetch)")
 
 
+# Qwen3-Next's Gated DeltaNet shapes: 16 key heads, 32 value heads, 128 dims, kernel 4
+GDN_CONSTANTS = {
+    gdn_triton.gdn_conv_kernel: {"W": 4, "BLOCK_C": 256},
+    gdn_triton.gdn_rule_kernel: {"PER_KEY": 2, "DK": 128, "DV": 128, "BLOCK_K": 128,
+                                 "BLOCK_V": 32},
+}  # fmt: skip
+# the model dtype's tensors (the rest: float32 scratch, decay, beta and recurrent states)
+GDN_MODEL_DTYPE = ("mixed_ptr", "weight_ptr", "conv_states_ptr", "saved_conv_ptr", "out_ptr")
+
+
+def compile_gdn_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> None:
+    constants = GDN_CONSTANTS[kernel]
+    types = {"q_scale": "fp32"}
+    for name in kernel.arg_names:
+        if name.endswith("_ptr"):
+            meta = name in ("qsl_ptr", "seq_lens_ptr", "slots_ptr", "at_ptr", "entries_ptr",
+                            "rows_ptr")  # fmt: skip
+            types[name] = "*i32" if meta else f"*{dtype}" if name in GDN_MODEL_DTYPE else "*fp32"
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32")
+                 for n in kernel.arg_names}  # fmt: skip
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    if compiled.asm["cubin"][:4] != b"\x7fELF":
+        raise SystemExit(f"{kernel.__name__}: no cubin in the compiled output")
+
+
 def main() -> None:
+    if sys.argv[1] == "gdn":
+        for kernel in GDN_CONSTANTS:
+            compile_gdn_for_hopper(kernel, sys.argv[2])
+            print(kernel.__name__, "ok")
+        return
     dtype, segments = sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 1
     kernel = triton_kernel.paged_attention_kernel
     compile_for_hopper(kernel, dtype, segments)

@@ -23,6 +23,21 @@ class AttentionShape:
 
 
 @dataclass
+class StateBuffers:
+    """The state metadata's whole persistent buffers: query starts (max_seqs + 2 entries, the
+    padded token count past the requests), then max_seqs entries each, whose state slots past the
+    batch are -1. What a launch reads whose grid depends on the token count only (the Triton
+    Gated DeltaNet core), so that a graph captured once serves any batch of its size."""
+
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    state_slots: torch.Tensor
+    checkpoint_at: torch.Tensor
+    checkpoint_entries: torch.Tensor
+    position_states: torch.Tensor
+
+
+@dataclass
 class BatchLayout:
     """One step's batch as the model runner lays it out: the one description every backend
     builds its own metadata from. Requests are ordered decodes first (query length 1), then
@@ -53,6 +68,7 @@ class BatchLayout:
     # form one last sequence
     query_start_loc_buffer: torch.Tensor
     block_tables_buffer: torch.Tensor  # [max_seqs * max_blocks_per_seq], rows of width W
+    state_buffers: StateBuffers | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -76,15 +92,16 @@ class StateMetadata:
     checkpoint_at: torch.Tensor  # [B] int32, see BatchLayout
     checkpoint_entries: torch.Tensor  # [B] int32
     position_states: torch.Tensor  # [B] int32, see BatchLayout
+    buffers: StateBuffers | None = None  # the same, whole (fixed sizes)
 
     @classmethod
     def of(cls, layout: BatchLayout) -> StateMetadata:
         return cls(layout.query_start_loc, layout.seq_lens, layout.state_slots,
-                   layout.checkpoint_at, layout.checkpoint_entries,
-                   layout.position_states)  # fmt: skip
+                   layout.checkpoint_at, layout.checkpoint_entries, layout.position_states,
+                   layout.state_buffers)  # fmt: skip
 
     def dynamic_tensors(self) -> list[tuple[torch.Tensor, tuple[int, ...]]]:
-        return [(t, (0,)) for t in vars(self).values()]
+        return [(t, (0,)) for t in vars(self).values() if isinstance(t, torch.Tensor)]
 
 
 class AttentionMetadata:
@@ -120,6 +137,10 @@ class AttentionBackend(ABC):
     name: str
     graph_support: GraphSupport
     splitting_ops: tuple[str, ...] = ()  # the registered ops a compiled graph splits at
+    # The Gated DeltaNet core that runs beside it in a hybrid model: "torch" (a loop over the
+    # requests on the host, never inside a graph) or "triton" (two launches whose grid depends
+    # on the token count only, so any graph captures them)
+    state_core: str = "torch"
     # Speculative verification lays each position out as a decode row of its own, where the
     # backend writes a step's keys before it reads any: the kernels of a decode step, so a
     # verified position gets the logits a decode step would (the CPU backends). False: one

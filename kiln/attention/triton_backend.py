@@ -21,6 +21,7 @@ from kiln.attention.backend import (
     MetadataBuilder,
 )
 from kiln.attention.triton_kernel import paged_attention_kernel
+from kiln.layers import gdn_triton  # noqa: F401 - registers the Gated DeltaNet core beside it
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -255,6 +256,7 @@ class TritonPagedAttentionBackend(AttentionBackend):
 
     name = "triton_paged"
     graph_support = GraphSupport.ALWAYS
+    state_core = "triton"
     splitting_ops = ("kiln::triton_paged_attention",)
 
     def __init__(self, shape: AttentionShape, split_programs: int | None = None) -> None:

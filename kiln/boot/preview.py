@@ -24,7 +24,7 @@ from kiln.config.graph_plan import (
 from kiln.config.plan_table import log_plan
 from kiln.cudagraphs.graph_backend import GraphBackend
 from kiln.errors import ConfigError
-from kiln.layers.gated_deltanet import GDN_GRAPH_SUPPORT, GDN_OP
+from kiln.layers.gated_deltanet import GDN_GRAPH_SUPPORT, GDN_OPS
 from kiln.loader import ModelSource, open_model
 from kiln.models.config import ModelConfig
 from kiln.spec.speculator import check_speculation, verified_tokens_per_seq
@@ -85,10 +85,12 @@ def mixer_caps(backend: AttentionBackend, model: ModelConfig) -> AttentionCaps:
     model the Gated DeltaNet op's too (the lesser graph support, both ops split at)."""
     if not model.is_hybrid:
         return AttentionCaps(backend.name, backend.graph_support, backend.splitting_ops)
-    support = max(backend.graph_support, GDN_GRAPH_SUPPORT, key=_SUPPORT_ORDER.index)
+    gdn = GDN_GRAPH_SUPPORT[backend.state_core]
+    support = max(backend.graph_support, gdn, key=_SUPPORT_ORDER.index)
     return AttentionCaps(
-        f"{backend.name} with the Gated DeltaNet op", support, (*backend.splitting_ops, GDN_OP)
-    )
+        f"{backend.name} with the Gated DeltaNet op ({backend.state_core})", support,
+        (*backend.splitting_ops, GDN_OPS[backend.state_core]),
+    )  # fmt: skip
 
 
 _SUPPORT_ORDER = [GraphSupport.ALWAYS, GraphSupport.UNIFORM_BATCH,
@@ -103,7 +105,7 @@ def resolve_plan(
     model: ModelConfig,
 ) -> GraphPlan:
     """The graph plan, logged: every change it made is a WARNING (an error when strict)."""
-    check_splitting_ops(config.compilation.splitting_ops or (), (*ATTENTION_OPS, GDN_OP))
+    check_splitting_ops(config.compilation.splitting_ops or (), (*ATTENTION_OPS, *GDN_OPS.values()))
     sched = config.scheduler
     # a verification step's rows: one per position where the backend takes them so
     per_seq = verified_tokens_per_seq(config.speculative)

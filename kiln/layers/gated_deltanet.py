@@ -12,10 +12,13 @@ convolution, and the delta rule's matrix per value head) instead of a KV cache.
 The states live in two tensors per layer that the runner allocates and binds, indexed by the
 sequence's state slot; `StateMetadata` says which rows of the step belong to which slot.
 
-The convolution and the delta rule (reading and writing the slots) are one registered op,
-`kiln::gdn_core`, a splitting op of compiled graphs like attention: its per-request loop asks
+The convolution and the delta rule (reading and writing the slots) are one registered op, a
+splitting op of compiled graphs like attention; the projections and norms around it are
+compiled. Two implementations, chosen by the attention backend's `state_core`:
+`kiln::gdn_core` here, in PyTorch (the CPU's, and the reference), whose per-request loop asks
 the host for the batch's shape, so it runs eagerly between compiled pieces and is never inside
-a CUDA graph (`GDN_GRAPH_SUPPORT`); the projections and norms around it are compiled."""
+a CUDA graph; and `kiln::gdn_core_triton` (gdn_triton.py, beside the Triton attention backend),
+two launches from whole buffers that every graph mode captures (`GDN_GRAPH_SUPPORT`)."""
 
 from __future__ import annotations
 
@@ -30,18 +33,22 @@ from kiln.layers.linear import Linear
 from kiln.layers.norm import GatedRMSNorm
 
 DECODE_RULE_UP_TO = 4  # tokens a request computes token by token; longer: in blocks
-GDN_OP = "kiln::gdn_core"
-GDN_GRAPH_SUPPORT = GraphSupport.NEVER  # the PyTorch core reads the batch's shape on the host
+GDN_OPS = {"torch": "kiln::gdn_core", "triton": "kiln::gdn_core_triton"}
+# the PyTorch core reads the batch's shape on the host; the Triton core reads none
+GDN_GRAPH_SUPPORT = {"torch": GraphSupport.NEVER, "triton": GraphSupport.ALWAYS}
 
 
 class GatedDeltaNet(nn.Module):
     def __init__(
         self, hidden: int, key_heads: int, value_heads: int, key_dim: int, value_dim: int,
-        conv_kernel: int, eps: float, grouped_projections: bool = True,
+        conv_kernel: int, eps: float, grouped_projections: bool = True, core: str = "torch",
     ) -> None:  # fmt: skip
         """`grouped_projections`: Qwen3-Next's two input matrices (rows grouped by key head);
-        else Qwen3.5's four (q/k/v flat, then z, b and a)."""
+        else Qwen3.5's four (q/k/v flat, then z, b and a). `core`: "torch" or "triton"."""
         super().__init__()
+        if core not in GDN_OPS:
+            raise ValueError(f"the Gated DeltaNet core is one of {list(GDN_OPS)}, not {core!r}")
+        self.core = core
         self.key_heads, self.value_heads = key_heads, value_heads
         self.key_dim, self.value_dim = key_dim, value_dim
         self.conv_dim = 2 * key_heads * key_dim + value_heads * value_dim
@@ -100,13 +107,23 @@ class GatedDeltaNet(nn.Module):
             raise RuntimeError("the Gated DeltaNet states were not bound before a forward")
         # allocated here, in the compiled piece before the op (as attention's output)
         core = x.new_empty(tokens, self.value_heads, dv)
-        torch.ops.kiln.gdn_core(
-            mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
-            self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
-            core, state.query_start_loc, state.seq_lens, state.state_slots,
-            state.checkpoint_at, state.checkpoint_entries, state.position_states,
-            self.key_heads, self.key_dim,
-        )  # fmt: skip
+        layer = (mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
+                 self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
+                 core)  # fmt: skip
+        if self.core == "triton":  # registered by the Triton attention backend's module
+            b = state.buffers
+            if b is None:
+                raise RuntimeError("the Triton Gated DeltaNet core needs the state buffers")
+            torch.ops.kiln.gdn_core_triton(
+                *layer, b.query_start_loc, b.seq_lens, b.state_slots, b.checkpoint_at,
+                b.checkpoint_entries, b.position_states, self.key_heads, self.key_dim,
+            )  # fmt: skip
+        else:
+            torch.ops.kiln.gdn_core(
+                *layer, state.query_start_loc, state.seq_lens, state.state_slots,
+                state.checkpoint_at, state.checkpoint_entries, state.position_states,
+                self.key_heads, self.key_dim,
+            )  # fmt: skip
         # per head over [tokens, hv, dv], not flattened to [tokens * hv, dv]: Inductor cannot
         # split an unbacked token count's [T, hv * dv] into [hv * T, dv] without guarding T == 1
         # (a retrace after a saved guard failed crashed on that guard)

@@ -54,7 +54,8 @@ class HybridLayer(nn.Module):
             self.linear_attn = GatedDeltaNet(cfg.hidden_size, la.num_key_heads,
                                              la.num_value_heads, la.key_head_dim,
                                              la.value_head_dim, la.conv_kernel, eps,
-                                             la.grouped_projections)  # fmt: skip
+                                             la.grouped_projections,
+                                             backend.state_core)  # fmt: skip
         else:
             self.self_attn = GatedAttention(cfg, backend)
         self.mlp = mlp_for(cfg, index)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kiln.attention.backend import BatchLayout
+from kiln.attention.backend import BatchLayout, StateBuffers
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,7 @@ class InputBuffers:
         # two past the requests: the end of the last one, then of the padding rows after it
         self.query_start_loc = buf(max_seqs + 2, torch.int32)
         self.seq_lens = buf(max_seqs, torch.int32)
-        self.state_slots = buf(max_seqs, torch.int32)
+        self.state_slots = buf(max_seqs, torch.int32).fill_(-1)  # -1: no request
         self.checkpoint_at = buf(max_seqs, torch.int32)
         self.checkpoint_entries = buf(max_seqs, torch.int32)
         self.position_states = buf(max_seqs, torch.int32)
@@ -90,6 +90,7 @@ class InputBuffers:
         self.write(self.slot_mapping, slots)
         self.write(self.seq_lens, lens)
         self.write(self.state_slots, [row.state_slot for row in rows])
+        self.state_slots[len(rows) :] = -1  # no request: StateBuffers' padding slots
         self.write(self.checkpoint_at, [row.checkpoint_at for row in rows])
         self.write(self.checkpoint_entries, [row.checkpoint_entry for row in rows])
         self.write(self.position_states, [row.position_states for row in rows])
@@ -120,6 +121,7 @@ class InputBuffers:
         """A batch of `size` padding tokens and no request: what graphs are captured on (their
         kernels depend on shapes only; the rows write nothing and read no key)."""
         self.query_start_loc[:1] = 0
+        self.state_slots.fill_(-1)
         return self.pad(self.layout(0, 1, 0, 0, 0, 0), size)
 
     def layout(
@@ -142,7 +144,13 @@ class InputBuffers:
             block_size=self.block_size,
             query_start_loc_buffer=self.query_start_loc,
             block_tables_buffer=self.block_tables,
+            state_buffers=self.state_buffers(),
         )
+
+    def state_buffers(self) -> StateBuffers:
+        return StateBuffers(self.query_start_loc, self.seq_lens, self.state_slots,
+                            self.checkpoint_at, self.checkpoint_entries,
+                            self.position_states)  # fmt: skip
 
     def _write_hidden(self, rows: list[BatchRow]) -> None:
         if any(row.hidden is None for row in rows):
