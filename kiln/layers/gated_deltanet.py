@@ -207,13 +207,22 @@ def _heads(conv: torch.Tensor, key_heads: int, key_dim: int, value_heads: int, v
     return q, k, v.view(tokens, value_heads, value_dim).transpose(0, 1)
 
 
-_LIB = torch.library.Library("kiln", "FRAGMENT")
-_LIB.define(
-    "gdn_core(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
+# both cores' schema: the layer's tensors (the states and out written), the step's metadata,
+# the key heads' shape
+GDN_CORE_SCHEMA = (
+    "(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
     "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) saved_conv, "
     "Tensor(d!) saved_recurrent, Tensor(e!) out, Tensor query_start_loc, Tensor seq_lens, "
     "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, "
     "Tensor position_states, int key_heads, int key_dim) -> ()"
 )
-_LIB.impl("gdn_core", _gdn_core, "CompositeExplicitAutograd")
-torch.library.register_fake("kiln::gdn_core", lambda *args: None, lib=_LIB)
+
+
+def register_gdn_core(lib: torch.library.Library, name: str, impl) -> None:
+    lib.define(name + GDN_CORE_SCHEMA)
+    lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"kiln::{name}", lambda *args: None, lib=lib)
+
+
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+register_gdn_core(_LIB, "gdn_core", _gdn_core)

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kiln.layers.gated_deltanet import register_gdn_core
+
 
 @triton.jit
 def _window_input(mixed_ptr, state_ptr, src, start, c, cmask, from_state, stride_m,
@@ -187,12 +189,4 @@ def _check_contiguous(*tensors: torch.Tensor) -> None:
 
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
-_LIB.define(
-    "gdn_core_triton(Tensor mixed, Tensor decay, Tensor beta, Tensor conv_weight, "
-    "Tensor(a!) conv_states, Tensor(b!) recurrent_states, Tensor(c!) saved_conv, "
-    "Tensor(d!) saved_recurrent, Tensor(e!) out, Tensor query_start_loc, Tensor seq_lens, "
-    "Tensor state_slots, Tensor checkpoint_at, Tensor checkpoint_entries, "
-    "Tensor position_states, int key_heads, int key_dim) -> ()"
-)
-_LIB.impl("gdn_core_triton", gdn_core_triton, "CompositeExplicitAutograd")
-torch.library.register_fake("kiln::gdn_core_triton", lambda *args: None, lib=_LIB)
+register_gdn_core(_LIB, "gdn_core_triton", gdn_core_triton)

@@ -31,7 +31,9 @@ import torch
 from torch import nn
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-CPU_BLOCK_N = 64  # the CPU kernel's layout: [N / 64, K, 32] bytes, n and n + 32 in one byte
+# The CPU kernel's layouts: [N / B, K, B / 2] bytes, a block's code n in the low nibble of byte
+# n and code n + B / 2 in its high one; PyTorch packs B = 64 on CPUs with AVX-512, 32 with AVX2
+CPU_BLOCKS = (64, 32)
 DEQUANT_MIN_ROWS = 256  # bf16 on the CPU: from here on dequantize + dense matmul is faster
 # with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
 # bytes (docs/performance.md, "Packed weights under concurrency")
@@ -98,7 +100,7 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
         return f"{k} input features (tinygemm needs a multiple of 32)"
     if device.type not in ("cpu", "cuda"):
         return f"device {device.type}"
-    if device.type == "cpu" and not cpu_layout_is_known():
+    if device.type == "cpu" and cpu_block_n() is None:
         return "this PyTorch build packs int4 weights in a layout kiln does not know"
     return None
 
@@ -110,6 +112,7 @@ class PackedInt4(nn.Module):
         super().__init__()
         self.out_features, self.in_features = t.shape
         self.group_size, self.kind, self.num_planes = t.group_size, t.kind, len(t.planes)
+        self.block_n = cpu_block_n() if device.type == "cpu" else 0  # a constant when traced
         for i, plane in enumerate(t.planes):
             packed, scales_zeros = pack_plane(plane, device)
             self.register_buffer(f"packed{i}", packed)
@@ -159,7 +162,8 @@ class PackedInt4(nn.Module):
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), CPU layout only."""
         packed, scales_zeros = self.planes()
-        out = [cpu_rows(p, sz, ids, self.group_size) for p, sz in zip(packed, scales_zeros)]
+        out = [cpu_rows(p, sz, ids, self.group_size, self.block_n)
+               for p, sz in zip(packed, scales_zeros)]  # fmt: skip
         return functools.reduce(torch.add, out).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
@@ -168,7 +172,7 @@ class PackedInt4(nn.Module):
         packed, scales_zeros = self.planes()
         if packed[0].device.type == "cpu":
             out = [
-                cpu_dequantize_t(p, sz, self.group_size, torch.float32)
+                cpu_dequantize_t(p, sz, self.group_size, torch.float32, self.block_n)
                 for p, sz in zip(packed, scales_zeros)
             ]
         else:
@@ -186,8 +190,8 @@ class PackedInt4(nn.Module):
 
 def pack_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """(packed codes, [K/G, N, 2] bf16 scales and zeros) in the layout of `device`'s kernel.
-    Rows are padded to the kernel's block (64 on the CPU, 8 on CUDA) with zero weights."""
-    block = CPU_BLOCK_N if device.type == "cpu" else 8
+    Rows are padded to the kernel's block (64 or 32 on the CPU, 8 on CUDA) with zero weights."""
+    block = (cpu_block_n() or CPU_BLOCKS[0]) if device.type == "cpu" else 8
     codes, scale, zero = plane.codes, plane.scale, plane.zero
     pad = -codes.shape[0] % block
     if pad:
@@ -208,16 +212,19 @@ def pack_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, to
 
 
 @functools.cache
-def cpu_layout_is_known() -> bool:
-    """Whether this build's CPU packing is the [N/64, K, 32] layout that `cpu_rows` and
-    `cpu_dequantize_t` read (checked once on a small matrix of known codes)."""
+def cpu_block_n() -> int | None:
+    """The block B of this machine's CPU packing (checked once on a small matrix of known
+    codes), None where it is none of CPU_BLOCKS' layouts (a build without AVX2: code pairs)."""
     n, k = 128, 64
     codes = (torch.arange(n)[:, None] * 7 + torch.arange(k)[None, :] * 3) % 16
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 2)
     scales_zeros = torch.zeros(k // 32, n, 2, dtype=torch.bfloat16)
     scales_zeros[..., 0] = 1
-    back = cpu_dequantize_t(packed, scales_zeros, 32).t().float() + 8
-    return bool(torch.equal(back, codes.float()))
+    for block in CPU_BLOCKS:
+        back = cpu_dequantize_t(packed, scales_zeros, 32, block_n=block).t().float() + 8
+        if torch.equal(back, codes.float()):
+            return block
+    return None
 
 
 def cpu_dequantize_t(
@@ -225,11 +232,13 @@ def cpu_dequantize_t(
     scales_zeros: torch.Tensor,
     group_size: int,
     dtype: torch.dtype = torch.bfloat16,
+    block_n: int | None = None,
 ) -> torch.Tensor:
-    """W^T [K, N] in `dtype` from the CPU layout: the large-batch path."""
-    k = packed.shape[1] * 2
-    blocks = packed.view(-1, k, CPU_BLOCK_N // 2)
-    out = torch.empty(k, blocks.shape[0], 2, CPU_BLOCK_N // 2, dtype=dtype)
+    """W^T [K, N] in `dtype` from the CPU layout of block `block_n` (default: this machine's):
+    the large-batch path."""
+    k, half = packed.shape[1] * 2, (block_n or cpu_block_n() or CPU_BLOCKS[0]) // 2
+    blocks = packed.view(-1, k, half)
+    out = torch.empty(k, blocks.shape[0], 2, half, dtype=dtype)
     out[:, :, 0].copy_(torch.bitwise_and(blocks, 15).transpose(0, 1))
     out[:, :, 1].copy_(torch.bitwise_right_shift(blocks, 4).transpose(0, 1))
     scale, zero = scales_zeros.to(dtype).unbind(-1)
@@ -238,13 +247,17 @@ def cpu_dequantize_t(
     return out.view(k, -1)
 
 
-def cpu_rows(packed: torch.Tensor, scales_zeros: torch.Tensor, ids: torch.Tensor, group_size: int):
-    """Rows `ids` of the weight, dequantized (float32 [T, K]) from the CPU layout."""
-    k = packed.shape[1] * 2
-    blocks = packed.view(-1, k, CPU_BLOCK_N // 2)
-    within = ids % CPU_BLOCK_N
-    raw = blocks[ids // CPU_BLOCK_N, :, within % (CPU_BLOCK_N // 2)]  # [T, K]
-    shift = (within // (CPU_BLOCK_N // 2) * 4).to(torch.uint8).unsqueeze(1)
+def cpu_rows(
+    packed: torch.Tensor, scales_zeros: torch.Tensor, ids: torch.Tensor, group_size: int,
+    block_n: int,
+) -> torch.Tensor:  # fmt: skip
+    """Rows `ids` of the weight, dequantized (float32 [T, K]) from the CPU layout of block
+    `block_n`."""
+    k, half = packed.shape[1] * 2, block_n // 2
+    blocks = packed.view(-1, k, half)
+    within = ids % block_n
+    raw = blocks[ids // block_n, :, within % half]  # [T, K]
+    shift = (within // half * 4).to(torch.uint8).unsqueeze(1)
     codes = torch.bitwise_and(torch.bitwise_right_shift(raw, shift), 15).float()
     sz = scales_zeros[:, ids].float().repeat_interleave(group_size, 0)  # [K, T, 2]
     return (codes - 8) * sz[..., 0].t() + sz[..., 1].t()
