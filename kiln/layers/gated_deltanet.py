@@ -110,20 +110,14 @@ class GatedDeltaNet(nn.Module):
         layer = (mixed.contiguous(), decay.contiguous(), beta.contiguous(), self.conv1d.weight,
                  self.conv_states, self.recurrent_states, self.saved_conv, self.saved_recurrent,
                  core)  # fmt: skip
-        if self.core == "triton":  # registered by the Triton attention backend's module
-            b = state.buffers
-            if b is None:
-                raise RuntimeError("the Triton Gated DeltaNet core needs the state buffers")
-            torch.ops.kiln.gdn_core_triton(
-                *layer, b.query_start_loc, b.seq_lens, b.state_slots, b.checkpoint_at,
-                b.checkpoint_entries, b.position_states, self.key_heads, self.key_dim,
-            )  # fmt: skip
-        else:
-            torch.ops.kiln.gdn_core(
-                *layer, state.query_start_loc, state.seq_lens, state.state_slots,
-                state.checkpoint_at, state.checkpoint_entries, state.position_states,
-                self.key_heads, self.key_dim,
-            )  # fmt: skip
+        # the Triton core (registered by the Triton attention backend's module) reads the same
+        # metadata from the whole buffers
+        meta = state.buffers if self.core == "triton" else state
+        if meta is None:
+            raise RuntimeError("the Triton Gated DeltaNet core needs the state buffers")
+        op = torch.ops.kiln.gdn_core_triton if self.core == "triton" else torch.ops.kiln.gdn_core
+        op(*layer, meta.query_start_loc, meta.seq_lens, meta.state_slots, meta.checkpoint_at,
+           meta.checkpoint_entries, meta.position_states, self.key_heads, self.key_dim)  # fmt: skip
         # per head over [tokens, hv, dv], not flattened to [tokens * hv, dv]: Inductor cannot
         # split an unbacked token count's [T, hv * dv] into [hv * T, dv] without guarding T == 1
         # (a retrace after a saved guard failed crashed on that guard)
