@@ -12,11 +12,14 @@ around the runner (scheduler, block manager, detokenizer, output).
         --context 7000                              # at 7k tokens of context, per attention backend
     python benchmarks/decode_step.py --configs none:bfloat16:3 --streams 16 --context 512
                                                     # a step of 16 concurrent streams
+    python benchmarks/decode_step.py --model /tmp/moe.gguf --configs auto:float32:0 \
+        none:float32:0                      # packed experts against dequantized ones (an MoE)
 
 A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND[:INDUCTOR_OPTIONS]], the last a
 JSON object of Inductor options (`auto:float32:3:auto:{"cpp_wrapper": true}`). Numbers are
 milliseconds per decode step; the profiled rows count each op's own time under the nearest
-linear or attention op that called it (an attention op's flash kernel and copies are attention)."""
+linear, experts or attention op that called it (an attention op's flash kernel and copies are
+attention). The last rows are the resident weight bytes and the rate."""
 
 from __future__ import annotations
 
@@ -41,6 +44,7 @@ LINEAR_OPS = (
     "aten::matmul",
 )
 ATTENTION_OPS = ("kiln::cpu_paged_attention", "kiln::torch_paged_attention")
+EXPERT_OPS = ("kiln::moe_experts",)  # and kiln::moe_experts_int4
 
 
 class Timers:
@@ -65,12 +69,14 @@ class Timers:
         setattr(owner, attr, timed)
 
 
-def measure(spec: str, tokens: int, threads: int, context: int, streams: int) -> dict[str, float]:
+def measure(
+    spec: str, tokens: int, threads: int, context: int, streams: int, model: str | None = None
+) -> dict[str, float]:
     quantization, dtype, mode, *rest = spec.split(":", 4)
     backend, options = (rest + ["auto", "{}"][len(rest) :])[:2]
     torch.set_num_threads(threads)
     compilation = {"mode": int(mode), "inductor_compile_config": json.loads(options)}
-    llm = LLM(quantization=quantization, dtype=dtype, compilation_config=compilation,
+    llm = LLM(model, quantization=quantization, dtype=dtype, compilation_config=compilation,
               attention_backend=backend)  # fmt: skip
     prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
@@ -90,6 +96,7 @@ def measure(spec: str, tokens: int, threads: int, context: int, streams: int) ->
     row["engine (scheduler, output)"] = wall * 1e3 / steps - runner_ms
     row["step"] = wall * 1e3 / steps
     row.update({f"forward, profiled: {k}": v for k, v in ops.items()})
+    row["resident weights, MiB"] = sum(b for _, _, b in runner.model.weight_summary) / 2**20
     return row
 
 
@@ -129,6 +136,8 @@ def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers, strea
 def _group(event) -> str:
     """The nearest linear or attention op at or above a profiled op."""
     while event is not None:
+        if event.name.startswith(EXPERT_OPS):
+            return "experts"
         if event.name.startswith(LINEAR_OPS):
             return "linears"
         if event.name.startswith(ATTENTION_OPS):
@@ -166,9 +175,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--context", type=int, default=0, help="prompt tokens (default: short)")
     parser.add_argument("--streams", type=int, default=1, help="concurrent streams per step")
+    parser.add_argument("--model", help="a model path (default: the embedded model)")
     args = parser.parse_args()
     rows = {
-        spec: measure(spec, args.tokens, args.threads, args.context, args.streams)
+        spec: measure(spec, args.tokens, args.threads, args.context, args.streams, args.model)
         for spec in args.configs
     }
     names = list(dict.fromkeys(k for row in rows.values() for k in row))

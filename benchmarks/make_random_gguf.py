@@ -5,6 +5,8 @@ file of that size is on the machine: kiln and llama.cpp both load it.
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K --out /tmp/l1b-q4_k.gguf
     python benchmarks/make_random_gguf.py --shape qwen3-0.6b --type Q4_0 --out /tmp/q3.gguf \
         --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
+    python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_0 \
+        --out /tmp/moe.gguf   # 4 of Qwen3-30B-A3B's mixture-of-experts layers (qwen3moe)
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
 a standard deviation near 0.02 and the activations stay finite; norms are ones. The embedding rows
@@ -35,6 +37,11 @@ SHAPES = {
     "qwen3-0.6b-shapes-llama": dict(layers=28, hidden=1024, intermediate=3072, heads=16,
                                     kv_heads=8, head_dim=128, vocab=151936, theta=1000000.0,
                                     context=32768),
+    # Qwen3-30B-A3B's layers (128 experts, top 8, expert intermediate 768), 4 of its 48
+    "qwen3-30b-a3b-4-layers": dict(arch="qwen3moe", layers=4, hidden=2048, intermediate=6144,
+                                   heads=32, kv_heads=4, head_dim=128, vocab=151936,
+                                   theta=1000000.0, context=40960, qk_norm=True, eps=1e-6,
+                                   experts=128, top_k=8, expert_intermediate=768),
 }  # fmt: skip
 T = gguf.GGMLQuantizationType
 TARGET_STD = 0.02
@@ -81,6 +88,19 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> list[int]:
     return [i for i, kind in enumerate(source["tokenizer.ggml.token_type"]) if kind == 3]
 
 
+def _experts(w: gguf.GGUFWriter, rng: np.random.Generator, make, kind: str, layer: int,
+             s: dict) -> None:  # fmt: skip
+    """A sparse layer as llama.cpp stores it: the router (float32: routing is exact in both
+    engines) and each projection's experts stacked, [experts, rows, columns]."""
+    experts, hidden, inter = s["experts"], s["hidden"], s["expert_intermediate"]
+    router = rng.standard_normal((experts, hidden)).astype(np.float32) * TARGET_STD
+    w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router)
+    for name, n, k in (("ffn_gate_exps", inter, hidden), ("ffn_up_exps", inter, hidden),
+                       ("ffn_down_exps", hidden, inter)):  # fmt: skip
+        stacked = np.stack([make(rng, n, k) for _ in range(experts)])
+        w.add_tensor(f"blk.{layer}.{name}.weight", stacked, raw_dtype=T[kind])
+
+
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
     make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
@@ -97,6 +117,11 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     w.add_rope_freq_base(s["theta"])
     w.add_layer_norm_rms_eps(s.get("eps", 1e-5))
     w.add_vocab_size(s["vocab"])
+    if s.get("experts"):
+        w.add_expert_count(s["experts"])
+        w.add_expert_used_count(s["top_k"])
+        w.add_expert_feed_forward_length(s["expert_intermediate"])
+        w.add_expert_weights_norm(True)
     control = _copy_tokenizer(w, s["vocab"])
     hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
 
@@ -111,11 +136,15 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(s["layers"]):
         for name, n, k in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden),
-                           ("attn_v", kv_dim, hidden), ("attn_output", hidden, q_dim),
-                           ("ffn_gate", s["intermediate"], hidden),
-                           ("ffn_up", s["intermediate"], hidden),
-                           ("ffn_down", hidden, s["intermediate"])):  # fmt: skip
+                           ("attn_v", kv_dim, hidden), ("attn_output", hidden, q_dim)):  # fmt: skip
             matrix(f"blk.{i}.{name}.weight", n, k)
+        if s.get("experts"):
+            _experts(w, rng, make, kind, i, s)
+        else:
+            for name, n, k in (("ffn_gate", s["intermediate"], hidden),
+                               ("ffn_up", s["intermediate"], hidden),
+                               ("ffn_down", hidden, s["intermediate"])):  # fmt: skip
+                matrix(f"blk.{i}.{name}.weight", n, k)
         for norm in ("attn_norm", "ffn_norm"):
             w.add_tensor(f"blk.{i}.{norm}.weight", np.ones(hidden, dtype=np.float32))
         for norm in ("attn_q_norm", "attn_k_norm") if s.get("qk_norm") else ():

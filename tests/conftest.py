@@ -239,6 +239,29 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
     return str(path)
 
 
+def packed_moe_kind(name: str):
+    """The packed tiny Qwen3-MoE's tensor types: experts' gate and up Q4_1, their down Q8_0
+    (two planes), attention Q4_0, the rest (router, dense MLP, embedding, head) Q8_0."""
+    import gguf
+
+    kinds = {"stacked_down": "Q8_0", "stacked_": "Q4_1", "self_attn": "Q4_0"}
+    kind = next((k for part, k in kinds.items() if part in name), "Q8_0")
+    return gguf.GGMLQuantizationType[kind]
+
+
+@pytest.fixture(scope="session")
+def packed_moe_gguf(tiny_models, tmp_path_factory) -> str:
+    """The tiny Qwen3-MoE as a qwen3moe GGUF of 4-bit-packable types (`packed_moe_kind`)."""
+    from transformers import AutoModelForCausalLM
+
+    from tests.gguf_files import write_gguf
+
+    path = tmp_path_factory.mktemp("packed") / "tiny-packed-moe.gguf"
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_moe"])
+    write_gguf(path, hf, packed_moe_kind, arch="qwen3moe")
+    return str(path)
+
+
 @pytest.fixture(scope="session")
 def mtp_models(tiny_models, tmp_path_factory) -> dict[str, str]:
     """The tiny hybrids with an MTP head: with experts (qwen3_next) and dense (qwen3_5)."""

@@ -152,3 +152,47 @@ def test_act_order_indices_are_refused(tiny_models, tmp_path):
     save_file(tensors, str(path / "model.safetensors"))
     with pytest.raises(ModelLoadError, match="act-order g_idx"):
         make_engine(str(path))
+
+
+def _set_hf_weight(hf, name: str, w: torch.Tensor) -> None:
+    """A checkpoint weight into HF's model: one expert's projection (`...experts.3.up_proj.
+    weight`) into the stacked tensor transformers keeps in memory, others by name."""
+    if ".experts." not in name:
+        hf.get_parameter(name).copy_(w)
+        return
+    owner, rest = name.split(".experts.")
+    expert, proj, _ = rest.split(".")
+    if proj == "down_proj":
+        hf.get_parameter(f"{owner}.experts.down_proj")[int(expert)].copy_(w)
+        return
+    stacked = hf.get_parameter(f"{owner}.experts.gate_up_proj")[int(expert)]
+    half = stacked.shape[0] // 2
+    stacked[:half].copy_(w) if proj == "gate_proj" else stacked[half:].copy_(w)
+
+
+def test_a_w4a16_moe_checkpoint_keeps_its_experts_packed(tiny_models, tmp_path):
+    """GPTQ's MoE checkpoints quantize every expert's projections (the router stays dense):
+    kiln packs each projection's experts into one stack and matches HF on the dequantized
+    weights within the 4-bit bound above."""
+    from kiln.layers.packed_experts import PackedExperts
+
+    config, zero_offset = FORMATS["gptq-4bit-g32-asym"]
+    path = tmp_path / "w4a16-moe"
+    reference = _write_checkpoint(tiny_models["qwen3_moe"], path, config, zero_offset)
+    assert any(".experts.3.down_proj" in name for name in reference)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_moe"]).eval()
+    with torch.no_grad():
+        for name, w in reference.items():
+            _set_hf_weight(hf, name, w)
+    engine = make_engine(str(path))
+    model = engine.runner.model
+    assert sum(isinstance(m, PackedExperts) for m in model.modules()) == 2  # layer 0's stacks
+    assert "experts: gptq -> int4 packed, group 32" in [f for f, _, _ in model.weight_summary]
+    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
+    assert tokens == ref.argmax(-1).tolist()

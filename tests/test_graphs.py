@@ -124,17 +124,24 @@ def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, 
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
 
 
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
 def test_graph_modes_of_a_packed_model_equal_eager(
-    tiny_models, packed_gguf, graph_mode, mode, backend, ran
+    request, tiny_models, model, graph_mode, mode, backend, ran
 ):
     """4-bit packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
-    count at run time) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
-    tokenizer = tiny_models["llama"]
-    engine = _engine(packed_gguf, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
-    assert engine.runner.model.layers[0].mlp.down_proj.layout == "int4"
+    count at run time; the packed experts' op) inside FULL graphs and inside compiled pieces
+    of PIECEWISE ones."""
+    path = request.getfixturevalue("packed_gguf" if model == "llama" else "packed_moe_gguf")
+    tokenizer = tiny_models[model]
+    engine = _engine(path, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
+    mlp = engine.runner.model.layers[0].mlp
+    if model == "llama":
+        assert mlp.down_proj.layout == "int4"
+    else:
+        assert set(mlp.experts.packed) == {"gate_up_proj", "down_proj"}
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    _assert_equals_within_bf16(finals, logits, _reference(packed_gguf, backend, tokenizer))
+    _assert_equals_within_bf16(finals, logits, _reference(path, backend, tokenizer))
     st = engine.stats()
     assert {m for m, n in st.graphs["steps"].items() if n} == ran
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0

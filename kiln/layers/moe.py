@@ -6,7 +6,9 @@ and `down_proj` [experts, hidden, intermediate] (HF's in-memory layout), so that
 parallelism is a slice of dimension 0 and a quantized implementation replaces two tensors.
 The routed rows are sorted by expert, so a step runs one matmul per active expert, never one
 per token. That product is one custom op, `kiln::moe_experts`, which Dynamo does not trace
-into: its grouping is data-dependent, and the graph around it stays one compiled piece."""
+into: its grouping is data-dependent, and the graph around it stays one compiled piece.
+Quantized experts stay packed per stack on the CPU (kiln/layers/packed_experts.py) and run
+through `kiln::moe_experts_int4`, the same loop over the packed planes."""
 
 from __future__ import annotations
 
@@ -14,8 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.errors import ModelLoadError
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import SwiGLU
+from kiln.layers.packed import QuantizedTensor
+from kiln.layers.packed_experts import ExpertPacker
 
 
 def _sorted_by_expert(ids: torch.Tensor, num_experts: int):
@@ -28,19 +33,27 @@ def _sorted_by_expert(ids: torch.Tensor, num_experts: int):
     return order // ids.shape[1], order, counts
 
 
-def experts_by_loop(x, gate_up, down, ids, weights) -> torch.Tensor:
-    """One matmul pair per active expert; the counts come to the host (free on the CPU, a sync
-    on CUDA, where it cannot be captured)."""
-    tokens, order, counts = _sorted_by_expert(ids, gate_up.shape[0])
+def experts_loop(x, ids, weights, num_experts: int, project) -> torch.Tensor:
+    """The routed rows sorted by expert, `project(rows, expert)` once per active expert; the
+    counts come to the host (free on the CPU, a sync on CUDA, where it cannot be captured)."""
+    tokens, order, counts = _sorted_by_expert(ids, num_experts)
     routed, start = x[tokens], 0
     out = torch.empty_like(routed)
     for expert, count in enumerate(counts.tolist()):
         if count:
-            rows = slice(start, start + count)
-            gate, up = F.linear(routed[rows], gate_up[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(F.silu(gate) * up, down[expert])
+            out[start : start + count] = project(routed[start : start + count], expert)
             start += count
     return _combine(x, out, tokens, order, weights)
+
+
+def experts_by_loop(x, gate_up, down, ids, weights) -> torch.Tensor:
+    """One matmul pair per active expert."""
+
+    def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
+        gate, up = F.linear(rows, gate_up[expert]).chunk(2, dim=-1)
+        return F.linear(F.silu(gate) * up, down[expert])
+
+    return experts_loop(x, ids, weights, gate_up.shape[0], project)
 
 
 def experts_grouped(x, gate_up, down, ids, weights) -> torch.Tensor:
@@ -75,7 +88,13 @@ torch.library.register_fake(
 )
 
 
+# a projection's stack -> the checkpoint parts it is made of, stacked by rows in this order
+PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+
+
 class FusedExperts(nn.Module):
+    """The experts' two stacks, dense or kept packed per stack (`packed`, CPU only)."""
+
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.num_experts, self.intermediate = num_experts, intermediate
@@ -85,9 +104,15 @@ class FusedExperts(nn.Module):
         self.down_proj = nn.Parameter(
             torch.empty(num_experts, hidden, intermediate), requires_grad=False
         )
+        self.packed = nn.ModuleDict()  # stack name -> PackedExperts
+        self.packers: dict[str, ExpertPacker] = {}  # stacks being packed while loading
+        self.fallback_reasons: dict[str, str] = {}  # stack -> why its quantized parts are dense
 
     def part(self, expert: int, proj: str) -> torch.Tensor:
         """The rows one checkpoint tensor of one expert fills (gate_proj, up_proj, down_proj)."""
+        stack = _stack_of(proj)
+        if stack in self.packed:
+            raise ModelLoadError(f"expert {expert}'s {proj} arrived twice")
         if proj == "down_proj":
             return self.down_proj[expert]
         rows = slice(0, self.intermediate)
@@ -95,8 +120,60 @@ class FusedExperts(nn.Module):
             rows = slice(self.intermediate, None)
         return self.gate_up_proj[expert, rows]
 
+    def load_quantized(self, expert: int, proj: str, t: QuantizedTensor) -> None:
+        """Take one expert's quantized part: packed with the others where a kernel runs them
+        all, else dequantized into the dense stack."""
+        stack = _stack_of(proj)
+        dense = getattr(self, stack)
+        packer = self.packers.setdefault(
+            stack, ExpertPacker(self.num_experts, PROJECTIONS[stack], dense.device)
+        )
+        whole = packer.add(expert, proj, t)
+        if packer.reason is not None:
+            self.fallback_reasons[stack] = packer.reason
+            dequantized = packer.dense_experts()
+            if whole is not None:
+                dequantized[expert] = whole
+            for e, w in dequantized.items():
+                dense.data[e].copy_(w)
+        elif packer.complete:
+            self.packed[stack] = packer.stack()
+            del self.packers[stack]
+            setattr(self, stack, None)  # the dense stack's pages were never written
+
+    def finalize(self, device: torch.device) -> None:
+        """Stacks whose experts did not all arrive quantized: their packed experts and parts
+        dequantized into the dense stack."""
+        for stack, packer in self.packers.items():
+            dense = getattr(self, stack)
+            for e, w in packer.dense_experts().items():
+                dense.data[e].copy_(w)
+            for e, parts in packer.parts.items():
+                for proj, t in parts.items():
+                    self.part(e, proj).copy_(t.dequantize())
+            if packer.first is not None and stack not in self.fallback_reasons:
+                self.fallback_reasons[stack] = "not every expert arrived quantized"
+        self.packers = {}
+
+    def _operand(self, stack: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        if stack in self.packed:
+            packed, scales_zeros = self.packed[stack].planes()
+            return packed, scales_zeros, self.packed[stack].group_size
+        return [getattr(self, stack)], [], 0
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return torch.ops.kiln.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights)
+        if not self.packed:
+            return torch.ops.kiln.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights)
+        gate_up, gate_up_sz, gate_up_group = self._operand("gate_up_proj")
+        down, down_sz, down_group = self._operand("down_proj")
+        return torch.ops.kiln.moe_experts_int4(
+            x, gate_up, gate_up_sz, down, down_sz, [gate_up_group, down_group],
+            self.intermediate, ids, weights,
+        )  # fmt: skip
+
+
+def _stack_of(proj: str) -> str:
+    return "down_proj" if proj == "down_proj" else "gate_up_proj"
 
 
 class SparseMoE(nn.Module):

@@ -284,7 +284,7 @@ def _tinygemm(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
     return y[: rows.shape[0]] + y[rows.shape[0] :] if split else y
 
 
-def _int4_mm(
+def int4_matmul(
     rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """CPU, [R, K] rows times one packed plane -> [R, N padded] in float32 (float32 rows) or
@@ -308,7 +308,7 @@ def _int4_mm(
 # time, not in any kernel; left for the decode-step work (docs/performance.md).
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define("int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
-_LIB.impl("int4_mm", _int4_mm, "CompositeExplicitAutograd")
+_LIB.impl("int4_mm", int4_matmul, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "kiln::int4_mm",
     lambda rows, packed, scales_zeros, group_size: rows.new_empty(

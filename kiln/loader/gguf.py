@@ -4,8 +4,8 @@ chat template from the file's metadata (via transformers).
 
 Mixture-of-experts files (`qwen3moe`) hold each layer's experts as three stacked tensors,
 `ffn_{gate,up,down}_exps` [experts, rows, columns]; they are handed to the model one expert at a
-time, under the names transformers saves them with. A layer without a router (`ffn_gate_inp`)
-is a dense one."""
+time, under the names transformers saves them with (as 4-bit planes where the type packs, so the
+model can keep them packed). A layer without a router (`ffn_gate_inp`) is a dense one."""
 
 from __future__ import annotations
 
@@ -88,6 +88,15 @@ def hf_tensor_name(gguf_name: str) -> str | None:
         return f"model.layers.{m.group(1)}.mlp.experts.{{}}.{_EXPERT_NAMES[m.group(2)]}.weight"
     base, _, leaf = gguf_name.rpartition(".")
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
+
+
+def _expert_planes(name: str, kind: str, t: GGUFTensor) -> Iterator[tuple[str, QuantizedTensor]]:
+    """A stacked expert tensor ([experts, rows, columns]) as each expert's 4-bit planes, read
+    one expert at a time."""
+    experts, rows, columns = reversed(t.shape)
+    data = np.asarray(t.data).reshape(experts, -1)
+    for e in range(experts):
+        yield name.format(e), gguf_codes(kind, data[e], (rows, columns))
 
 
 def dequantize(t: GGUFTensor | gguf.ReaderTensor) -> np.ndarray:
@@ -206,13 +215,16 @@ class GGUFSource(ModelSource):
                 continue
             heads = self._permuted_heads(name)
             kind = t.tensor_type.name
-            if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) == 2:
-                became[f"{kind} read as 4-bit planes"] += 1
+            what = "experts " if "{}" in name else ""
+            if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) in (2, 3):
+                became[f"{kind} {what}read as 4-bit planes"] += 1
+                if "{}" in name:
+                    yield from _expert_planes(name, kind, t)
+                    continue
                 packed = gguf_codes(kind, t.data, tuple(reversed(t.shape)))
                 yield name, packed if heads is None else _unpermute_planes(packed, heads)
                 continue
             dense = str(dtype).removeprefix("torch.")
-            what = "experts " if "{}" in name else ""
             became[f"{kind} {what}as {dense}" if kind in ("F32", "F16", "BF16")
                    else f"{kind} {what}dequantized to {dense}"] += 1  # fmt: skip
             data = dequantize(t)

@@ -15,7 +15,7 @@ from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.gated_deltanet import GatedDeltaNet
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import SwiGLU
-from kiln.layers.moe import SparseMoE
+from kiln.layers.moe import FusedExperts, SparseMoE
 from kiln.layers.rotary import RotaryEmbedding
 from kiln.models.config import ModelConfig
 
@@ -64,7 +64,7 @@ class DecoderLM(nn.Module):
     def finalize(self, device: torch.device) -> None:
         """Post-load weight layout (see Linear.finalize)."""
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedExperts)):
                 module.finalize(device)
         self.embed_tokens.finalize(device, used_as_lm_head=self.lm_head is None)
 

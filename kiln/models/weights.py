@@ -74,7 +74,12 @@ def _load_expert(model: nn.Module, name: str, tensor: Tensor) -> list[str] | Non
     expert, proj, _ = [*rest.split("."), "", "", ""][:3]
     if not expert.isdigit() or int(expert) >= owner.num_experts or proj not in _EXPERT_PARTS:
         raise ModelLoadError(f"tensor {name!r} names no expert projection of this model")
-    _copy(owner.part(int(expert), proj), name, tensor)
+    target = owner.part(int(expert), proj)
+    if isinstance(tensor, QuantizedTensor):
+        _check_shape(target, name, tensor)
+        owner.load_quantized(int(expert), proj, tensor)
+    else:
+        _copy(target, name, tensor)
     return [_expert_key(owner_path, int(expert), proj)]
 
 
@@ -156,11 +161,15 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, Tensor]]) -> Non
         )
 
 
-def _copy(param: torch.Tensor, name: str, tensor: Tensor) -> None:
+def _check_shape(param: torch.Tensor, name: str, tensor: Tensor) -> None:
     if tuple(param.shape) != tuple(tensor.shape):
         raise ModelLoadError(
             f"tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(param.shape)}"
         )
+
+
+def _copy(param: torch.Tensor, name: str, tensor: Tensor) -> None:
+    _check_shape(param, name, tensor)
     param.copy_(_dense(tensor))
 
 
@@ -175,6 +184,13 @@ def weight_summary(model: nn.Module) -> list[tuple[str, int, int]]:
     rows: dict[str, list[int]] = {}
     counted: set[int] = set()
     for module in model.modules():
+        if isinstance(module, FusedExperts):
+            for fmt, tensors in _expert_formats(module):
+                row = rows.setdefault(fmt, [0, 0])
+                row[0] += module.num_experts
+                row[1] += sum(t.numel() * t.element_size() for t in tensors)
+                counted |= {id(t) for t in tensors}
+            continue
         if not isinstance(module, (Linear, VocabEmbedding)):
             continue
         tensors = [t for t in (*module.parameters(), *module.buffers()) if t is not None]
@@ -189,6 +205,24 @@ def weight_summary(model: nn.Module) -> list[tuple[str, int, int]]:
             len(rest), sum(t.numel() * t.element_size() for t in rest)
         ]  # fmt: skip
     return sorted(((k, n, b) for k, (n, b) in rows.items()), key=lambda r: -r[2])
+
+
+def _expert_formats(experts: FusedExperts) -> list[tuple[str, list[torch.Tensor]]]:
+    """(format, tensors) of each of the experts' two stacks."""
+    out = []
+    for stack in ("gate_up_proj", "down_proj"):
+        if stack in experts.packed:
+            p = experts.packed[stack]
+            planes = " (two planes)" if p.num_planes == 2 else ""
+            fmt = f"experts: {p.kind} -> int4 packed, group {p.group_size}{planes}"
+            out.append((fmt, list(p.buffers())))
+            continue
+        dense = getattr(experts, stack)
+        reason = experts.fallback_reasons.get(stack)
+        fmt = f"experts: {_dtype_name(dense)}"
+        out.append((f"experts: dequantized to {_dtype_name(dense)} ({reason})" if reason else fmt,
+                    [dense]))  # fmt: skip
+    return out
 
 
 def _format(module: Linear | VocabEmbedding) -> str:

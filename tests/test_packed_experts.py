@@ -1,0 +1,181 @@
+"""Experts kept 4-bit packed (kiln/layers/packed_experts.py): the packed product against a
+per-token computation on the `gguf` package's dequantized values, the stacks that cannot be
+packed and the reason each records, and a packed Qwen3-MoE GGUF against HF transformers on the
+same dequantized weights. The GPTQ form is in test_gptq.py, the graph modes in test_graphs.py."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from kiln.layers.moe import FusedExperts
+from kiln.layers.packed_experts import PackedExperts, unpackable_reason
+from kiln.loader.gguf_quant import gguf_codes
+from tests.conftest import packed_moe_kind
+
+T = gguf.GGMLQuantizationType
+CPU = torch.device("cpu")
+BF16_ULP = 2**-8
+E, H, I = 3, 256, 256  # noqa: E741 - the intermediate size; Q4_K needs 256 columns
+
+
+def _q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
+    """Random Q4_K rows (the gguf package has no Q4_K quantizer), d and dmin small."""
+    blocks = rng.integers(0, 256, (n, k // 256, 144), dtype=np.uint8)
+    for at in (0, 2):
+        d = rng.uniform(1e-3, 1e-2, (n, k // 256)).astype(np.float16)
+        blocks[..., at : at + 2] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
+    """(the gguf package's dequantized float32 [n, k], kiln's planes) of one random matrix."""
+    if kind == "Q4_K":
+        data = _q4_k(n, k, rng)
+    else:
+        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, T[kind])
+    ref = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).copy())
+    return ref, gguf_codes(kind, data, (n, k))
+
+
+def _experts(kinds: list[str | None], seed: int = 0):
+    """FusedExperts loaded with expert e's three parts in `kinds[e]` (None: dense float32),
+    and the float32 reference stacks."""
+    rng = np.random.default_rng(seed)
+    experts = FusedExperts(len(kinds), H, I)
+    gate_up, down = torch.empty(len(kinds), 2 * I, H), torch.empty(len(kinds), H, I)
+    for e, kind in enumerate(kinds):
+        for proj, (n, k), rows in (("gate_proj", (I, H), gate_up[e, :I]),
+                                   ("up_proj", (I, H), gate_up[e, I:]),
+                                   ("down_proj", (H, I), down[e])):  # fmt: skip
+            if kind is None:
+                rows.copy_(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
+                experts.part(e, proj).copy_(rows)
+                continue
+            ref, planes = _quantized(kind, n, k, rng)
+            rows.copy_(ref)
+            experts.load_quantized(e, proj, planes)
+    experts.finalize(CPU)
+    return experts, gate_up, down
+
+
+def _per_token(x, gate_up, down, ids, weights) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            gate, up = (gate_up[ids[t, j]] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (down[ids[t, j]] @ (F.silu(gate) * up))
+    return out
+
+
+def _routing(tokens: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, H, generator=g)
+    ids = torch.rand(tokens, E, generator=g).topk(2, dim=-1).indices
+    ids[: tokens // 2, 0] = 0  # expert 0 takes half of the rows: past the bf16 dequant switch
+    return x, ids, torch.rand(tokens, 2, generator=g)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: bf16's dense path for expert 0
+def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
+    experts, gate_up, down = _experts([kind] * E)
+    assert set(experts.packed) == {"gate_up_proj", "down_proj"}
+    assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks kept
+    assert isinstance(experts.packed["down_proj"], PackedExperts)
+    assert experts.packed["down_proj"].num_planes == (2 if kind == "Q8_0" else 1)
+    x, ids, weights = _routing(tokens)
+    y = experts(x.to(dtype), ids, weights.to(dtype))
+    assert y.shape == x.shape and y.dtype == dtype
+    ref = _per_token(x, gate_up, down, ids, weights)
+    # bf16 scales, bf16 outputs of both products (and bf16 activations in a bf16 model): a few
+    # bf16 ulps of the output's magnitude; a wrong code order or expert is off by the magnitude
+    tol = (8 if dtype == torch.float32 else 16) * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+def test_experts_of_different_formats_stay_dense_and_say_why():
+    experts, gate_up, down = _experts(["Q4_0", "Q8_0", "Q4_0"])
+    assert not experts.packed
+    assert experts.fallback_reasons == dict.fromkeys(
+        ("gate_up_proj", "down_proj"), "its experts arrived in different quantized formats"
+    )
+    # expert 0 was packed before expert 1 arrived: it comes back with the bf16 scales it was
+    # packed with; the others are exact
+    _assert_equal_but_packed_scales(experts, gate_up, down, packed_first=[0])
+
+
+def test_a_dense_expert_among_quantized_ones_dequantizes_the_stack():
+    experts, gate_up, down = _experts(["Q4_1", None, "Q4_1"])
+    assert not experts.packed and not experts.packers
+    assert experts.fallback_reasons["down_proj"] == "not every expert arrived quantized"
+    _assert_equal_but_packed_scales(experts, gate_up, down, packed_first=[0, 2])
+
+
+def _assert_equal_but_packed_scales(experts, gate_up, down, packed_first: list[int]) -> None:
+    """The dense stacks equal the reference except the experts `packed_first` (unpacked again:
+    bf16 scales), and so does the product, within that rounding."""
+    rest = [e for e in range(E) if e not in packed_first]
+    assert torch.equal(experts.down_proj[rest], down[rest])
+    assert torch.equal(experts.gate_up_proj[rest], gate_up[rest])
+    x, ids, weights = _routing(7)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 4 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+def test_packed_experts_are_cpu_only():
+    _, planes = _quantized("Q4_0", 64, 256, np.random.default_rng(0))
+    assert unpackable_reason(planes, CPU) is None
+    assert "CPU only" in unpackable_reason(planes, torch.device("cuda"))
+
+
+def _dequantized_hf(path: str):
+    """HF's Qwen3-MoE with every matrix replaced by its GGUF type's dequantized values (the
+    experts per expert, as the file stores them)."""
+    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+
+    def round_trip(w: np.ndarray, kind) -> torch.Tensor:
+        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind))
+
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("experts.gate_up_proj"):
+                gate, up = np.split(p.numpy(), 2, axis=1)
+                p.copy_(torch.cat([round_trip(gate, packed_moe_kind("stacked_gate")),
+                                   round_trip(up, packed_moe_kind("stacked_up"))], 1))  # fmt: skip
+            elif name.endswith("experts.down_proj"):
+                p.copy_(round_trip(p.numpy(), packed_moe_kind("stacked_down")))
+            elif p.ndim == 2:
+                p.copy_(round_trip(p.numpy(), packed_moe_kind(name)))
+    return hf
+
+
+def test_a_packed_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, packed_moe_gguf):
+    """The tiny Qwen3-MoE as a qwen3moe GGUF (experts Q4_1 and Q8_0, attention Q4_0, router,
+    dense MLP, embedding and head Q8_0): kiln keeps every matrix packed and matches HF on the
+    same values dequantized, to a few bf16 ulps of the logits (1.5 measured, 8 allowed, as for
+    test_packed.py's Llama)."""
+    from kiln import SamplingParams
+    from tests.helpers import make_engine, run_schedule
+
+    engine = make_engine(packed_moe_gguf, tokenizer=tiny_models["qwen3_moe"])
+    model = engine.runner.model
+    assert set(model.layers[0].mlp.experts.packed) == {"gate_up_proj", "down_proj"}
+    formats = [fmt for fmt, _, _ in model.weight_summary]
+    assert "experts: Q4_1 -> int4 packed, group 32" in formats
+    assert "experts: Q8_0 -> int4 packed, group 32 (two planes)" in formats
+    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+    hf = _dequantized_hf(tiny_models["qwen3_moe"])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
+    assert tokens == ref.argmax(-1).tolist()
