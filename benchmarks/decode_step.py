@@ -134,15 +134,19 @@ def _decode(llm: LLM, prompt: str, params: SamplingParams, timers: Timers, strea
 
 
 def _group(event) -> str:
-    """The nearest linear or attention op at or above a profiled op."""
+    """The group of a profiled op: experts under an experts op (its matmuls too), else the
+    nearest linear or attention op at or above it."""
+    chain = []
     while event is not None:
-        if event.name.startswith(EXPERT_OPS):
-            return "experts"
-        if event.name.startswith(LINEAR_OPS):
-            return "linears"
-        if event.name.startswith(ATTENTION_OPS):
-            return "attention"
+        chain.append(event.name)
         event = event.cpu_parent
+    if any(name.startswith(EXPERT_OPS) for name in chain):
+        return "experts"
+    for name in chain:
+        if name.startswith(LINEAR_OPS):
+            return "linears"
+        if name.startswith(ATTENTION_OPS):
+            return "attention"
     return "other ops"
 
 

@@ -179,3 +179,24 @@ def test_a_packed_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, pa
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
     assert tokens == ref.argmax(-1).tolist()
+
+
+def test_the_benchmarks_random_moe_file_loads_packed(tmp_path, monkeypatch):
+    """benchmarks/make_random_gguf.py's mixture-of-experts shape, shrunk: llama.cpp's qwen3moe
+    layout (router, stacked experts) that kiln reads as its config says and keeps packed."""
+    from benchmarks import make_random_gguf
+    from kiln import LLM, SamplingParams
+
+    small = dict(make_random_gguf.SHAPES["qwen3-30b-a3b-4-layers"], layers=2, hidden=256,
+                 heads=4, kv_heads=2, head_dim=64, vocab=49152, experts=8, top_k=2,
+                 expert_intermediate=64, context=512)  # fmt: skip
+    monkeypatch.setitem(make_random_gguf.SHAPES, "small-moe", small)
+    path = str(tmp_path / "moe.gguf")
+    make_random_gguf.write("small-moe", "Q4_0", path)
+    llm = LLM(path, kv_cache_memory="16MiB", compilation_config={"mode": 0})
+    config = llm.engine.runner.model.config
+    assert (config.moe.num_experts, config.moe.top_k, config.sparse_layers) == (8, 2, (0, 1))
+    experts = llm.engine.runner.model.layers[1].mlp.experts
+    assert set(experts.packed) == {"gate_up_proj", "down_proj"}
+    out = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 4
