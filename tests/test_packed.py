@@ -75,6 +75,17 @@ def test_packed_matmul_matches_dequantized(kind, rows, dtype, n):
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("n", [64, 192])
+def test_direct_packing_is_atens_converter(n):
+    """kiln writes the CPU layout itself in uint8 (10x faster at load): byte for byte what aten's
+    converter makes from int32 codes on this machine."""
+    from kiln.layers.packed import cpu_block_n, cpu_pack
+
+    codes = torch.randint(0, 16, (n, 512), dtype=torch.uint8)
+    expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 2)
+    assert torch.equal(cpu_pack(codes, cpu_block_n()), expected)
+
+
 def test_a_float32_row_does_not_depend_on_its_batch():
     """The CPU kernel computes each row alone: the same row alone, among 7, or among 300."""
     _, planes = _gguf_tensor("Q4_1", 192, 512)

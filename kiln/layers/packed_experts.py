@@ -38,16 +38,16 @@ class PackedExperts(nn.Module):
     """One projection of every expert: buffers `packed{i}` [experts, ...] and
     `scales_zeros{i}` [experts, K/G, N padded, 2] per plane i (two for Q8_0)."""
 
-    def __init__(self, planes: list[list[tuple[torch.Tensor, torch.Tensor]]], kind: str,
+    def __init__(self, stacks: list[tuple[torch.Tensor, torch.Tensor]], kind: str,
                  group_size: int, shape: tuple[int, int]) -> None:  # fmt: skip
-        """`planes[e][i]`: expert e's plane i as `pack_plane` made it."""
+        """`stacks[i]`: plane i's (packed, scales and zeros) of every expert."""
         super().__init__()
         self.kind, self.group_size = kind, group_size
         self.out_features, self.in_features = shape
-        self.num_planes = len(planes[0])
-        for i in range(self.num_planes):
-            self.register_buffer(f"packed{i}", torch.stack([e[i][0] for e in planes]))
-            self.register_buffer(f"scales_zeros{i}", torch.stack([e[i][1] for e in planes]))
+        self.num_planes = len(stacks)
+        for i, (packed, scales_zeros) in enumerate(stacks):
+            self.register_buffer(f"packed{i}", packed)
+            self.register_buffer(f"scales_zeros{i}", scales_zeros)
 
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         n = range(self.num_planes)
@@ -70,14 +70,16 @@ class PackedExperts(nn.Module):
 
 class ExpertPacker:
     """Collects one projection's quantized parts (`part_names`, stacked by rows in that order)
-    expert by expert; `stack()` gives the PackedExperts once every expert is packed. Where an
-    expert cannot be packed (`reason`), the experts so far are handed back dense by
-    `dense_experts()` and the rest are dequantized as they arrive."""
+    expert by expert, packing each complete expert into its slot of the stacks; `stack()` gives
+    the PackedExperts once every expert is in. Where an expert cannot be packed (`reason`), the
+    experts so far are handed back dense by `dense_experts()` and the rest are dequantized as
+    they arrive."""
 
     def __init__(self, num_experts: int, part_names: tuple[str, ...], device: torch.device):
         self.num_experts, self.part_names, self.device = num_experts, part_names, device
         self.parts: dict[int, dict[str, QuantizedTensor]] = {}  # experts not yet complete
-        self.packed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.stacks: list[tuple[torch.Tensor, torch.Tensor]] = []  # per plane, made once
+        self.filled: set[int] = set()
         self.first: QuantizedTensor | None = None  # the format every expert must share
         self.reason: str | None = None
 
@@ -94,7 +96,15 @@ class ExpertPacker:
             self.reason = self._reason(whole)
         if self.reason is not None:
             return whole.dequantize()
-        self.packed[expert] = [pack_plane(plane, self.device) for plane in whole.planes]
+        for i, plane in enumerate(whole.planes):
+            packed, scales_zeros = pack_plane(plane, self.device)
+            if len(self.stacks) == i:  # written in place: the load never copies a stack
+                self.stacks.append(tuple(  # type: ignore[arg-type]
+                    x.new_empty(self.num_experts, *x.shape) for x in (packed, scales_zeros)
+                ))  # fmt: skip
+            self.stacks[i][0][expert].copy_(packed)
+            self.stacks[i][1][expert].copy_(scales_zeros)
+        self.filled.add(expert)
         return None
 
     def _reason(self, whole: QuantizedTensor) -> str | None:
@@ -107,25 +117,23 @@ class ExpertPacker:
 
     @property
     def complete(self) -> bool:
-        return self.reason is None and len(self.packed) == self.num_experts
+        return self.reason is None and len(self.filled) == self.num_experts
 
     def stack(self) -> PackedExperts:
         t = self.first
-        experts = [self.packed.pop(e) for e in range(self.num_experts)]
-        return PackedExperts(experts, t.kind, t.group_size, t.shape)  # type: ignore[union-attr]
+        return PackedExperts(self.stacks, t.kind, t.group_size, t.shape)  # type: ignore[union-attr]
 
     def dense_experts(self) -> dict[int, torch.Tensor]:
         """Every expert packed so far, dequantized (float32 [rows, K], with the bf16 scales it
         was packed with), and forgotten."""
-        shape = self.first.shape if self.first is not None else None
         out = {}
-        for expert, planes in self.packed.items():
+        for expert in self.filled:
             w = functools.reduce(torch.add, (
-                cpu_dequantize_t(p, sz, self.first.group_size, torch.float32)  # type: ignore[union-attr]
-                for p, sz in planes
+                cpu_dequantize_t(p[expert], sz[expert], self.first.group_size, torch.float32)  # type: ignore[union-attr]
+                for p, sz in self.stacks
             ))  # fmt: skip
-            out[expert] = w.t()[: shape[0]]  # type: ignore[index]
-        self.packed = {}
+            out[expert] = w.t()[: self.first.shape[0]]  # type: ignore[union-attr]
+        self.stacks, self.filled = [], set()
         return out
 
 
