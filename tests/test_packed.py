@@ -86,15 +86,21 @@ def test_direct_packing_is_atens_converter(n):
     assert torch.equal(cpu_pack(codes, cpu_block_n()), expected)
 
 
-def test_a_float32_row_does_not_depend_on_its_batch():
-    """The CPU kernel computes each row alone: the same row alone, among 7, or among 300."""
+def test_a_float32_row_does_not_depend_on_its_batch_below_the_dequant_switch():
+    """The CPU kernel computes each row alone: the same row alone, among 7, or among 255. From
+    256 rows the weight is dequantized to float32 for one matmul: the same row within the
+    kernel's bf16 rounding."""
     _, planes = _gguf_tensor("Q4_1", 192, 512)
     packed = PackedInt4(planes, CPU)
     x = torch.randn(300, 512, generator=torch.Generator().manual_seed(3))
     alone = torch.cat([packed(x[i : i + 1]) for i in range(0, 300, 37)])
-    for batch in (x[:7], x):
+    for batch in (x[:7], x[: DEQUANT_MIN_ROWS - 1]):
         rows = packed(batch)[: len(batch)][::37]
         assert torch.equal(rows, alone[: len(rows)])
+    exact = x[::37] @ packed.dequantize().t()  # float32 throughout
+    tol = 2 * BF16_ULP * exact.abs().max().item()
+    torch.testing.assert_close(packed(x)[::37], exact, rtol=0, atol=1e-4 * tol)
+    torch.testing.assert_close(alone, exact, rtol=0, atol=tol)
 
 
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])

@@ -83,7 +83,10 @@ def _unsupported(dtype: torch.dtype, device: torch.device) -> str | None:
     if device.type != "cpu":
         return f"dense copies are a CPU path (device {device.type})"
     if dtype not in (torch.bfloat16, torch.float16):
-        return "a float32 model keeps its rows on the int4 kernel (batch-independent results)"
+        return (
+            "copies are for bf16 and fp16 models; a float32 model dequantizes each weight to "
+            "float32 for batches of 256 rows or more"
+        )
     if not onednn_runs(dtype):
         return f"oneDNN has no native {str(dtype).removeprefix('torch.')} kernels on this CPU"
     return None

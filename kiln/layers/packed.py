@@ -10,11 +10,12 @@ into a high plane (hi + 8, scale 16d) and a low one (lo, scale d, zero 8d), whos
 
 The kernels take bf16 activations and return bf16. A float32 model's rows go in split in two
 (the bf16 value and the bf16 of the remainder, products added in float32): 16 bits of each
-activation. The CPU kernel computes each row on its own, so a float32 model's results do not
-depend on what else is in the batch. On the CPU it is a matrix-vector kernel whose time grows
-with the rows: for a bf16 model, from 256 rows on (prefill chunks), dequantizing the weight to
-bf16 and running one dense matmul is faster (docs/performance.md, "Packed weights"), at the
-price of that independence. The op picks by the row count at run time: the row count is
+activation. On the CPU it is a matrix-vector kernel whose time grows with the rows: from 256
+rows on (prefill chunks), dequantizing the weight (to float32 for a float32 model, bf16 for a
+bf16 one) and running one dense matmul is 2.7-4x faster (docs/performance.md, "Packed
+weights"). The kernel computes each row on its own, so a step of fewer rows (every decode step
+of up to 255 streams) gives a row the same result whatever else is in the batch; a step with a
+long prefill chunk does not. The op picks by the row count at run time: the row count is
 dynamic in compiled graphs, so the choice cannot be made while tracing.
 
 Dequantizing every weight for every prefill chunk costs about as much as the chunk's matmuls.
@@ -34,7 +35,7 @@ KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # The CPU kernel's layouts: [N / B, K, B / 2] bytes, a block's code n in the low nibble of byte
 # n and code n + B / 2 in its high one; PyTorch packs B = 64 on CPUs with AVX-512, 32 with AVX2
 CPU_BLOCKS = (64, 32)
-DEQUANT_MIN_ROWS = 256  # bf16 on the CPU: from here on dequantize + dense matmul is faster
+DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is faster
 # with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
 # bytes (docs/performance.md, "Packed weights under concurrency")
 DENSE_MIN_ROWS = 16
@@ -297,11 +298,13 @@ def int4_matmul(
     rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """CPU, [R, K] rows times one packed plane -> [R, N padded] in float32 (float32 rows) or
-    bf16. float32 rows go through the kernel split in two (each row computed alone, so the
-    result does not depend on the batch); bf16 rows through the kernel up to DEQUANT_MIN_ROWS,
-    from there the weight dequantized to bf16 and one dense matmul (faster, measured)."""
+    bf16. Below DEQUANT_MIN_ROWS rows the kernel (float32 rows split in two, each row computed
+    alone); from there the weight dequantized to the rows' dtype and one dense matmul (2.7-4x
+    faster at 256-512 rows, measured)."""
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     if rows.dtype == torch.float32:
+        if rows.shape[0] >= DEQUANT_MIN_ROWS:
+            return rows @ cpu_dequantize_t(packed, scales_zeros, group_size, torch.float32)
         y = mm(split_float32(rows), packed, group_size, scales_zeros).float()
         return y[: rows.shape[0]].add_(y[rows.shape[0] :])
     rows = rows.to(torch.bfloat16)
