@@ -72,10 +72,67 @@ def _moe_metadata(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_weights_norm(cfg.norm_topk_prob)
 
 
+QWEN3NEXT_LAYER = {
+    "linear_attn.in_proj_ba": "ssm_ba",
+    "linear_attn.conv1d": "ssm_conv1d",
+    "linear_attn.norm": "ssm_norm",
+    "linear_attn.out_proj": "ssm_out",
+    "post_attention_layernorm": "post_attention_norm",
+    "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+    "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp",
+}
+
+
+def _qwen3next_tensors(hf_model):
+    """What llama.cpp's converter makes of a Qwen3-Next state dict, as (HF-style name or GGUF
+    name, data): norms + 1 (not the DeltaNet's gated norm), A_log as -exp(A_log), the
+    convolution squeezed, in_proj_qkvz split into all q, k, v (`attn_qkv`) and all z
+    (`attn_gate`) from HF's per-key-head groups."""
+    cfg = hf_model.config
+    nk, dk = cfg.linear_num_key_heads, cfg.linear_key_head_dim
+    r_dv = cfg.linear_num_value_heads // nk * cfg.linear_value_head_dim
+    for name, data in _hf_tensors(hf_model):
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        module = name.split(".", 3)[-1].rsplit(".", 1)[0] if layer else None
+        if name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1
+        if name.endswith("A_log"):
+            yield f"blk.{layer}.ssm_a", -np.exp(data)
+        elif name.endswith("dt_bias"):
+            yield f"blk.{layer}.ssm_dt.bias", data
+        elif name.endswith("in_proj_qkvz.weight"):
+            groups = data.reshape(nk, 2 * dk + 2 * r_dv, -1)
+            q, k, v, z = np.split(groups, [dk, 2 * dk, 2 * dk + r_dv], axis=1)
+            hidden = data.shape[1]
+            qkv = np.concatenate([t.reshape(-1, hidden) for t in (q, k, v)])
+            yield f"blk.{layer}.attn_qkv.weight", qkv
+            yield f"blk.{layer}.attn_gate.weight", z.reshape(-1, hidden)
+        elif module in QWEN3NEXT_LAYER:
+            squeeze = name.endswith("conv1d.weight")
+            yield f"blk.{layer}.{QWEN3NEXT_LAYER[module]}.weight", data[:, 0] if squeeze else data
+        else:
+            yield name, data
+
+
+def _qwen3next_metadata(w: gguf.GGUFWriter, cfg) -> None:
+    _moe_metadata(w, cfg)
+    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
+    w.add_ssm_state_size(cfg.linear_key_head_dim)
+    w.add_ssm_group_count(cfg.linear_num_key_heads)
+    w.add_ssm_time_step_rank(cfg.linear_num_value_heads)
+    w.add_ssm_inner_size(cfg.linear_value_head_dim * cfg.linear_num_value_heads)
+    w.add_full_attention_interval(cfg.layer_types.index("full_attention") + 1)
+    rotary = cfg.rope_parameters.get("partial_rotary_factor", 0.25)
+    w.add_rope_dimension_count(int(cfg.head_dim * rotary))
+
+
 def write_gguf(
     path, hf_model, kind_of: Callable[[str], gguf.GGMLQuantizationType], arch: str = "llama"
 ) -> None:
-    """arch: "llama" (q/k permuted) or "qwen3moe" (a Qwen3-MoE model)."""
+    """arch: "llama" (q/k permuted), "qwen3moe" (a Qwen3-MoE model) or "qwen3next"."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
@@ -90,13 +147,17 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     if arch == "qwen3moe":
         _moe_metadata(w, cfg)
-    for name, data in _hf_tensors(hf_model):
+    if arch == "qwen3next":
+        _qwen3next_metadata(w, cfg)
+    tensors = _qwen3next_tensors(hf_model) if arch == "qwen3next" else _hf_tensors(hf_model)
+    for name, data in tensors:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
             data = _llama_cpp_permute(data, heads)
-        kind = kind_of(name) if data.ndim >= 2 else T.F32
+        # llama.cpp keeps norms, the convolution and the routers in float32
+        kind = kind_of(name) if data.ndim >= 2 and "ssm_conv1d" not in name else T.F32
         q = data if kind == T.F32 else gguf.quants.quantize(data, kind)
-        w.add_tensor(_gguf_name(name), q, raw_dtype=kind)
+        w.add_tensor(name if name.startswith("blk.") else _gguf_name(name), q, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

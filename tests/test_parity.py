@@ -152,3 +152,58 @@ def test_a_qwen3moe_gguf_matches_hf(tiny_models, hf_models, tmp_path):
     prompts = _prompts()
     finals, logits = _run(engine, prompts)
     _check(hf_models["qwen3_moe"], prompts, finals, logits)
+
+
+def _qwen3next_with_random_norms(path: str):
+    """HF's tiny Qwen3-Next with every norm weight random (they start at zero, and a missing
+    or doubled +1 in the GGUF round trip must show)."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return hf.eval()
+
+
+def test_a_qwen3next_gguf_matches_hf(tiny_models, tmp_path):
+    """llama.cpp's `qwen3next` layout (in_proj_qkvz split into attn_qkv and attn_gate across
+    key-head groups, norms stored + 1, A_log as -exp(A_log), the convolution squeezed, the
+    shared expert as *_shexp, the layer pattern from full_attention_interval) gives the HF
+    model's logits; the same file with attn_qkv/attn_gate in Q8_0 keeps them packed and equals
+    its own dequantized load within the kernels' bf16 rounding."""
+    import gguf
+
+    from kiln.loader.gguf import GGUFSource
+    from tests.gguf_files import write_gguf
+
+    hf = _qwen3next_with_random_norms(tiny_models["qwen3_next"])
+    path = tmp_path / "tiny-next.gguf"
+    write_gguf(path, hf, lambda name: gguf.GGMLQuantizationType.F32, arch="qwen3next")
+    source = GGUFSource(str(path))
+    assert source.config.layer_types == ("linear_attention", "full_attention")
+    assert source.config.partial_rotary_factor == 0.25
+    assert source.config.moe.shared_intermediate_size == 48
+    engine = make_engine(str(path), tokenizer=tiny_models["qwen3_next"],
+                         max_num_batched_tokens=24)  # fmt: skip
+    prompts = _prompts()
+    finals, logits = _run(engine, prompts)
+    _check(hf, prompts, finals, logits)
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    quantized = tmp_path / "tiny-next-q8.gguf"
+    write_gguf(quantized, hf, lambda name: q8 if "attn_qkv" in name or "attn_gate" in name
+               else gguf.GGMLQuantizationType.F32, arch="qwen3next")  # fmt: skip
+    runs = {}
+    for mode in ("auto", "none"):
+        engine = make_engine(str(quantized), tokenizer=tiny_models["qwen3_next"],
+                             quantization=mode)  # fmt: skip
+        qkvz = engine.runner.model.layers[0].linear_attn.in_proj_qkvz
+        assert (qkvz.layout == "int4") == (mode == "auto")
+        runs[mode] = _run(engine, prompts[:2])[1]
+    for rid, ref in runs["none"].items():
+        ref = torch.stack(ref)
+        torch.testing.assert_close(torch.stack(runs["auto"][rid]), ref, rtol=0,
+                                   atol=8 * 2**-8 * ref.abs().max().item())  # fmt: skip

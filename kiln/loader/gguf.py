@@ -21,6 +21,7 @@ import torch
 
 from kiln.errors import ModelLoadError
 from kiln.layers.packed import Int4Codes, QuantizedTensor
+from kiln.loader import gguf_qwen3next as qwen3next
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
@@ -34,6 +35,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
+    "qwen3next": "Qwen3NextForCausalLM",
 }
 SUPPORTED_TENSOR_TYPES = (
     "F32",
@@ -77,10 +79,15 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_tensor_name(gguf_name: str) -> str | None:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; stacked experts
     'blk.3.ffn_up_exps.weight' -> 'model.layers.3.mlp.experts.{}.up_proj.weight', a pattern
-    for each expert's name."""
+    for each expert's name. qwen3next's own names: gguf_qwen3next.py."""
+    layer = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
+    if arch == "qwen3next" and layer and layer.group(2) in qwen3next.LAYER_NAMES:
+        return f"model.layers.{layer.group(1)}.{qwen3next.LAYER_NAMES[layer.group(2)]}"
+    if arch == "qwen3next" and layer and layer.group(2) in qwen3next.SPLIT_QKVZ:
+        return f"model.layers.{layer.group(1)}.linear_attn.{qwen3next.SPLIT_QKVZ[layer.group(2)]}"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -154,6 +161,11 @@ class GGUFSource(ModelSource):
         names = {t.name for t in self.file.tensors}
         vocab = self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
         eos = self._field("tokenizer.ggml.eos_token_id")
+        head_dim = self._field(f"{a}.attention.key_length") or hidden // heads
+        hybrid = {}
+        if a == "qwen3next":
+            field = lambda key: self._field(f"{a}.{key}")  # noqa: E731
+            hybrid = qwen3next.hybrid_config(field, self._field(f"{a}.block_count"), head_dim)
         return ModelConfig(
             architecture=GGUF_ARCHITECTURES[a],
             vocab_size=vocab,
@@ -164,17 +176,18 @@ class GGUFSource(ModelSource):
             num_layers=self._field(f"{a}.block_count"),
             num_heads=heads,
             num_kv_heads=self._field(f"{a}.attention.head_count_kv", heads),
-            head_dim=self._field(f"{a}.attention.key_length") or hidden // heads,
+            head_dim=head_dim,
             max_position_embeddings=self._field(f"{a}.context_length", 2048),
             rms_norm_eps=self._field(f"{a}.attention.layer_norm_rms_epsilon", 1e-6),
             rope_theta=self._field(f"{a}.rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(),
             tie_word_embeddings="output.weight" not in names,
             attention_bias="blk.0.attn_q.bias" in names,
-            qk_norm="blk.0.attn_q_norm.weight" in names,
+            qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (eos,),
             **self._moe_config(names),
+            **hybrid,
         )
 
     def _moe_config(self, names: set[str]) -> dict[str, Any]:
@@ -188,6 +201,7 @@ class GGUFSource(ModelSource):
             intermediate_size=self._field(f"{a}.expert_feed_forward_length"),
             # llama.cpp renormalises qwen3moe's top-k weights unless the file says otherwise
             norm_topk_prob=bool(self._field(f"{a}.expert_weights_norm", True)),
+            shared_intermediate_size=self._field(f"{a}.expert_shared_feed_forward_length") or 0,
         )
         layers = self._field(f"{a}.block_count")
         sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names)
@@ -208,9 +222,21 @@ class GGUFSource(ModelSource):
     def tensors(
         self, dtype: torch.dtype, keep_packed: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        if self.arch != "qwen3next":
+            yield from self._read(dtype, keep_packed)
+            return
+        rewrite = qwen3next.Qwen3NextTensors(self.config.linear_attention)  # type: ignore[arg-type]
+        for name, t in self._read(dtype, keep_packed, rewrite.dense):
+            yield from rewrite.join(name, t)
+
+    def _read(
+        self, dtype: torch.dtype, keep_packed: bool, adjust=lambda name, t: t
+    ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        """Each tensor under its HF name; `adjust(name, float32 tensor)` runs on dense ones
+        before they take `dtype`."""
         became: Counter[str] = Counter()
         for t in self.file.tensors:
-            name = hf_tensor_name(t.name)
+            name = hf_tensor_name(t.name, self.arch)
             if name is None:
                 continue
             heads = self._permuted_heads(name)
@@ -230,7 +256,7 @@ class GGUFSource(ModelSource):
             data = dequantize(t)
             if heads is not None:
                 data = unpermute_qk(data, heads)
-            weight = torch.from_numpy(np.array(data, dtype=np.float32)).to(dtype)
+            weight = adjust(name, torch.from_numpy(np.array(data, dtype=np.float32))).to(dtype)
             if "{}" in name:  # stacked experts, one at a time
                 yield from ((name.format(e), w) for e, w in enumerate(weight))
                 continue
