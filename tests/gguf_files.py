@@ -69,7 +69,7 @@ def _moe_metadata(w: gguf.GGUFWriter, cfg) -> None:
     w.add_expert_count(cfg.num_experts)
     w.add_expert_used_count(cfg.num_experts_per_tok)
     w.add_expert_feed_forward_length(cfg.moe_intermediate_size)
-    w.add_expert_weights_norm(cfg.norm_topk_prob)
+    w.add_expert_weights_norm(getattr(cfg, "norm_topk_prob", True))
 
 
 QWEN3NEXT_LAYER = {
@@ -116,9 +116,71 @@ def _qwen3next_tensors(hf_model):
             yield name, data
 
 
+QWEN35_LINEAR = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta",
+                 "in_proj_a": "ssm_alpha"}  # fmt: skip
+NEXTN = {
+    "mtp.fc.weight": "nextn.eh_proj",
+    "mtp.pre_fc_norm_embedding.weight": "nextn.enorm",
+    "mtp.pre_fc_norm_hidden.weight": "nextn.hnorm",
+    "mtp.norm.weight": "nextn.shared_head_norm",
+}
+
+
+def _tiled(data: np.ndarray, start: int, head_dim: int, cfg, axis: int = 0) -> np.ndarray:
+    """The converter's Qwen3.5 value-head reorder along `axis` from `start`: the file's slot
+    j * num_key_heads + g holds HF's head g * r + j."""
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    r = nv // nk
+    slots = np.arange(nv)
+    hf_head = (slots % nk) * r + slots // nk
+    index = np.concatenate([np.arange(start), (start + hf_head[:, None] * head_dim
+                                               + np.arange(head_dim)).reshape(-1)])  # fmt: skip
+    return np.take(data, index, axis=axis)
+
+
+def _qwen35_tensors(hf_model, mtp: dict | None):
+    """What llama.cpp's converter makes of a Qwen3.5 text model (and its MTP head, as a block
+    after the model's): Qwen3-Next's changes with the separate projections, every value-head
+    axis tiled."""
+    cfg = hf_model.config
+    conv_qk, dv = 2 * cfg.linear_num_key_heads * cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    state = dict(_hf_tensors(hf_model))
+    n = cfg.num_hidden_layers
+    for name, t in (mtp or {}).items():
+        state[name.replace("mtp.layers.0.", f"model.layers.{n}.")] = t.float().numpy()
+    for name, data in state.items():
+        layer = name.split(".")[2] if name.startswith("model.layers.") else None
+        module = name.split(".", 3)[-1].rsplit(".", 1)[0] if layer else None
+        # the converter renames the MTP norms (enorm, hnorm, shared_head.norm) before its
+        # "norm.weight" test, so they get their + 1 too
+        zero_centred = name.endswith("norm.weight") or name.startswith("mtp.pre_fc_norm")
+        if zero_centred and not name.endswith("linear_attn.norm.weight"):
+            data = data + 1
+        leaf = module.removeprefix("linear_attn.") if module else None
+        if name in NEXTN:
+            yield f"blk.{n}.{NEXTN[name]}.weight", data
+        elif name.endswith("A_log"):
+            yield f"blk.{layer}.ssm_a", -np.exp(_tiled(data, 0, 1, cfg))
+        elif name.endswith("dt_bias"):
+            yield f"blk.{layer}.ssm_dt.bias", _tiled(data, 0, 1, cfg)
+        elif leaf in QWEN35_LINEAR:
+            head = dv if leaf in ("in_proj_qkv", "in_proj_z") else 1
+            start = conv_qk if leaf == "in_proj_qkv" else 0
+            yield f"blk.{layer}.{QWEN35_LINEAR[leaf]}.weight", _tiled(data, start, head, cfg)
+        elif module == "linear_attn.conv1d":
+            yield f"blk.{layer}.ssm_conv1d.weight", _tiled(data[:, 0], conv_qk, dv, cfg)
+        elif module == "linear_attn.out_proj":
+            yield f"blk.{layer}.ssm_out.weight", _tiled(data, 0, dv, cfg, axis=1)
+        elif module in QWEN3NEXT_LAYER:
+            yield f"blk.{layer}.{QWEN3NEXT_LAYER[module]}.weight", data
+        else:
+            yield name, data
+
+
 def _qwen3next_metadata(w: gguf.GGUFWriter, cfg) -> None:
-    _moe_metadata(w, cfg)
-    w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if getattr(cfg, "num_experts", 0):
+        _moe_metadata(w, cfg)
+        w.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
     w.add_ssm_conv_kernel(cfg.linear_conv_kernel_dim)
     w.add_ssm_state_size(cfg.linear_key_head_dim)
     w.add_ssm_group_count(cfg.linear_num_key_heads)
@@ -130,15 +192,19 @@ def _qwen3next_metadata(w: gguf.GGUFWriter, cfg) -> None:
 
 
 def write_gguf(
-    path, hf_model, kind_of: Callable[[str], gguf.GGMLQuantizationType], arch: str = "llama"
-) -> None:
-    """arch: "llama" (q/k permuted), "qwen3moe" (a Qwen3-MoE model) or "qwen3next"."""
+    path, hf_model, kind_of: Callable[[str], gguf.GGMLQuantizationType], arch: str = "llama",
+    mtp: dict | None = None,
+) -> None:  # fmt: skip
+    """arch: "llama" (q/k permuted), "qwen3moe" (a Qwen3-MoE model), "qwen3next", "qwen35" or
+    "qwen35moe" (`mtp`: a Qwen3.5 MTP head's `mtp.*` tensors, written as llama.cpp does)."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(cfg.num_hidden_layers)
+    w.add_block_count(cfg.num_hidden_layers + (1 if mtp else 0))
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
-    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_feed_forward_length(getattr(cfg, "intermediate_size", None) or cfg.moe_intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
     w.add_key_length(cfg.head_dim)
@@ -147,9 +213,11 @@ def write_gguf(
     w.add_vocab_size(cfg.vocab_size)
     if arch == "qwen3moe":
         _moe_metadata(w, cfg)
-    if arch == "qwen3next":
+    if arch in ("qwen3next", "qwen35", "qwen35moe"):
         _qwen3next_metadata(w, cfg)
-    tensors = _qwen3next_tensors(hf_model) if arch == "qwen3next" else _hf_tensors(hf_model)
+    tensors = (_qwen3next_tensors(hf_model) if arch == "qwen3next"
+               else _qwen35_tensors(hf_model, mtp) if arch.startswith("qwen35")
+               else _hf_tensors(hf_model))  # fmt: skip
     for name, data in tensors:
         if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads

@@ -186,3 +186,23 @@ def test_files_that_are_not_gguf_are_refused_by_path(tmp_path):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ModelLoadError, match=f"{name}' is not a readable GGUF file: {why}"):
             GGUFSource(str(tmp_path / name))
+
+
+def test_hybrid_column_reorder_keeps_whole_groups_quantized():
+    """Qwen3.5's out_proj columns go back to HF's order: where value heads are whole groups the
+    codes and their scales move together and stay quantized; otherwise dequantized, same values."""
+    from kiln.layers.packed import Int4Codes, QuantizedTensor
+    from kiln.loader.gguf_hybrid import _columns
+
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (8, 128), dtype=torch.uint8, generator=g)
+    t = QuantizedTensor("Q4_0", [Int4Codes(codes, torch.rand(8, 4, generator=g),
+                                           torch.rand(8, 4, generator=g), 32)])  # fmt: skip
+    whole_groups = torch.cat([torch.arange(64, 96), torch.arange(0, 64), torch.arange(96, 128)])
+    moved = _columns(t, whole_groups)
+    assert isinstance(moved, QuantizedTensor)
+    torch.testing.assert_close(moved.dequantize(), t.dequantize()[:, whole_groups], rtol=0, atol=0)
+    split_groups = torch.cat([torch.arange(8, 128), torch.arange(0, 8)])
+    dense = _columns(t, split_groups)
+    assert isinstance(dense, torch.Tensor)
+    torch.testing.assert_close(dense, t.dequantize()[:, split_groups], rtol=0, atol=0)

@@ -6,6 +6,7 @@ block sizes."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -154,9 +155,9 @@ def test_a_qwen3moe_gguf_matches_hf(tiny_models, hf_models, tmp_path):
     _check(hf_models["qwen3_moe"], prompts, finals, logits)
 
 
-def _qwen3next_with_random_norms(path: str):
-    """HF's tiny Qwen3-Next with every norm weight random (they start at zero, and a missing
-    or doubled +1 in the GGUF round trip must show)."""
+def _hybrid_with_random_norms(path: str):
+    """HF's tiny hybrid with every norm weight, A_log and dt_bias random and far apart (they
+    start at zero or one, or close: a missing + 1 or a value head out of place must show)."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager")
@@ -165,6 +166,8 @@ def _qwen3next_with_random_norms(path: str):
         for name, p in hf.named_parameters():
             if "norm" in name:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif name.endswith(("A_log", "dt_bias")):
+                p.copy_(torch.randn(p.shape, generator=g) * 2)
     return hf.eval()
 
 
@@ -179,7 +182,7 @@ def test_a_qwen3next_gguf_matches_hf(tiny_models, tmp_path):
     from kiln.loader.gguf import GGUFSource
     from tests.gguf_files import write_gguf
 
-    hf = _qwen3next_with_random_norms(tiny_models["qwen3_next"])
+    hf = _hybrid_with_random_norms(tiny_models["qwen3_next"])
     path = tmp_path / "tiny-next.gguf"
     write_gguf(path, hf, lambda name: gguf.GGMLQuantizationType.F32, arch="qwen3next")
     source = GGUFSource(str(path))
@@ -207,3 +210,64 @@ def test_a_qwen3next_gguf_matches_hf(tiny_models, tmp_path):
         ref = torch.stack(ref)
         torch.testing.assert_close(torch.stack(runs["auto"][rid]), ref, rtol=0,
                                    atol=8 * 2**-8 * ref.abs().max().item())  # fmt: skip
+
+
+@pytest.mark.parametrize("name,arch", [("qwen3_5", "qwen35"), ("qwen3_5_moe", "qwen35moe")])
+def test_a_qwen35_gguf_matches_hf(tiny_models, tmp_path, name, arch):
+    """llama.cpp's Qwen3.5 layout (separate projections as attn_qkv, attn_gate, ssm_beta and
+    ssm_alpha; with 4 value heads on 2 key heads every value-head axis tiled, out_proj's
+    columns too; norms + 1; A_log as -exp(A_log)) gives the HF model's logits."""
+    import gguf
+
+    from kiln.loader.gguf import GGUFSource
+    from tests.gguf_files import write_gguf
+
+    hf = _hybrid_with_random_norms(tiny_models[name])
+    path = tmp_path / f"tiny-{arch}.gguf"
+    write_gguf(path, hf, lambda _: gguf.GGMLQuantizationType.F32, arch=arch)
+    config = GGUFSource(str(path)).config
+    assert config.linear_attention.grouped_projections is False
+    assert config.layer_types == ("linear_attention", "full_attention")
+    engine = make_engine(str(path), tokenizer=tiny_models[name], max_num_batched_tokens=24)
+    prompts = _prompts()
+    finals, logits = _run(engine, prompts)
+    _check(hf, prompts, finals, logits)
+    # the DeltaNet's projections in Q8_0: their reordered rows stay packed (ssm_out's columns,
+    # value heads of 8 inside groups of 32, are dequantized); packed equals the dequantized load
+    q8 = ("attn_qkv", "attn_gate", "ssm_beta", "ssm_alpha", "ssm_out")
+    quantized = tmp_path / f"tiny-{arch}-q8.gguf"
+    write_gguf(quantized, hf, lambda n: gguf.GGMLQuantizationType.Q8_0 if any(p in n for p in q8)
+               else gguf.GGMLQuantizationType.F32, arch=arch)  # fmt: skip
+    runs = {}
+    for mode in ("auto", "none"):
+        engine = make_engine(str(quantized), tokenizer=tiny_models[name], quantization=mode)
+        layer = engine.runner.model.layers[0].linear_attn
+        assert (layer.in_proj_qkv.layout == "int4") == (mode == "auto")
+        assert layer.out_proj.layout != "int4"
+        runs[mode] = _run(engine, prompts[:2])[1]
+    for rid, ref in runs["none"].items():
+        ref = torch.stack(ref)
+        torch.testing.assert_close(torch.stack(runs["auto"][rid]), ref, rtol=0,
+                                   atol=8 * 2**-8 * ref.abs().max().item())  # fmt: skip
+
+
+def test_a_qwen35_gguf_keeps_its_mtp_head(mtp_models, tmp_path):
+    """Qwen3.5 files carry the MTP head as a block after the model's (`nextn_predict_layers`,
+    `nextn.*`): it reads back as the checkpoint's `mtp.*` tensors, not as a decoder layer."""
+    import gguf
+    from safetensors.torch import load_file
+
+    from kiln.loader.gguf import GGUFSource
+    from tests.gguf_files import write_gguf
+
+    stored = load_file(os.path.join(mtp_models["qwen3_5"], "model.safetensors"))
+    mtp = {k: v for k, v in stored.items() if k.startswith("mtp.")}
+    hf = _hybrid_with_random_norms(mtp_models["qwen3_5"])
+    path = tmp_path / "tiny-qwen35-mtp.gguf"
+    write_gguf(path, hf, lambda _: gguf.GGMLQuantizationType.F32, arch="qwen35", mtp=mtp)
+    source = GGUFSource(str(path))
+    assert source.config.num_layers == 2
+    read = {k: v for k, v in source.tensors(torch.float32) if k.startswith("mtp.")}
+    assert set(read) == set(mtp)
+    for k, v in mtp.items():
+        torch.testing.assert_close(read[k], v.float(), rtol=0, atol=1e-6)

@@ -21,7 +21,7 @@ import torch
 
 from kiln.errors import ModelLoadError
 from kiln.layers.packed import Int4Codes, QuantizedTensor
-from kiln.loader import gguf_qwen3next as qwen3next
+from kiln.loader import gguf_hybrid as hybrid
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
@@ -35,7 +35,7 @@ GGUF_ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "qwen3moe": "Qwen3MoeForCausalLM",
-    "qwen3next": "Qwen3NextForCausalLM",
+    **hybrid.ARCHITECTURES,
 }
 SUPPORTED_TENSOR_TYPES = (
     "F32",
@@ -79,15 +79,10 @@ _GLOBAL_NAMES = {
 }
 
 
-def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str | None:
+def hf_tensor_name(gguf_name: str) -> str | None:
     """'blk.3.attn_q.weight' -> 'model.layers.3.self_attn.q_proj.weight'; stacked experts
     'blk.3.ffn_up_exps.weight' -> 'model.layers.3.mlp.experts.{}.up_proj.weight', a pattern
-    for each expert's name. qwen3next's own names: gguf_qwen3next.py."""
-    layer = re.fullmatch(r"blk\.(\d+)\.(.+)", gguf_name)
-    if arch == "qwen3next" and layer and layer.group(2) in qwen3next.LAYER_NAMES:
-        return f"model.layers.{layer.group(1)}.{qwen3next.LAYER_NAMES[layer.group(2)]}"
-    if arch == "qwen3next" and layer and layer.group(2) in qwen3next.SPLIT_QKVZ:
-        return f"model.layers.{layer.group(1)}.linear_attn.{qwen3next.SPLIT_QKVZ[layer.group(2)]}"
+    for each expert's name. The hybrid architectures' own names: gguf_hybrid.py."""
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
     if m and m.group(2) in _LAYER_NAMES:
         return f"model.layers.{m.group(1)}.{_LAYER_NAMES[m.group(2)]}.{m.group(3)}"
@@ -162,11 +157,7 @@ class GGUFSource(ModelSource):
         vocab = self._field(f"{a}.vocab_size") or len(self._field("tokenizer.ggml.tokens", []))
         eos = self._field("tokenizer.ggml.eos_token_id")
         head_dim = self._field(f"{a}.attention.key_length") or hidden // heads
-        hybrid = {}
-        if a == "qwen3next":
-            field = lambda key: self._field(f"{a}.{key}")  # noqa: E731
-            hybrid = qwen3next.hybrid_config(field, self._field(f"{a}.block_count"), head_dim)
-        return ModelConfig(
+        fields = dict(
             architecture=GGUF_ARCHITECTURES[a],
             vocab_size=vocab,
             hidden_size=hidden,
@@ -187,8 +178,19 @@ class GGUFSource(ModelSource):
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (eos,),
             **self._moe_config(names),
-            **hybrid,
         )
+        if a in hybrid.ARCHITECTURES:
+            fields.update(hybrid.hybrid_config(self._arch_field, a, head_dim))
+        return ModelConfig(**fields)
+
+    def _arch_field(self, key: str) -> Any:
+        return self._field(f"{self.arch}.{key}")
+
+    def _num_layers(self) -> int:
+        """The model's own layers (a hybrid file may count MTP blocks after them)."""
+        if self.arch in hybrid.ARCHITECTURES:
+            return hybrid.text_layers(self._arch_field)
+        return self._field(f"{self.arch}.block_count")
 
     def _moe_config(self, names: set[str]) -> dict[str, Any]:
         """The experts' shape, and which layers have them (those with a router)."""
@@ -203,8 +205,8 @@ class GGUFSource(ModelSource):
             norm_topk_prob=bool(self._field(f"{a}.expert_weights_norm", True)),
             shared_intermediate_size=self._field(f"{a}.expert_shared_feed_forward_length") or 0,
         )
-        layers = self._field(f"{a}.block_count")
-        sparse = tuple(i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names)
+        sparse = tuple(i for i in range(self._num_layers())
+                       if f"blk.{i}.ffn_gate_inp.weight" in names)  # fmt: skip
         return {"moe": moe, "sparse_layers": sparse}
 
     def _rope_scaling(self) -> dict[str, Any] | None:
@@ -222,12 +224,12 @@ class GGUFSource(ModelSource):
     def tensors(
         self, dtype: torch.dtype, keep_packed: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
-        if self.arch != "qwen3next":
+        if self.arch not in hybrid.ARCHITECTURES:
             yield from self._read(dtype, keep_packed)
             return
-        rewrite = qwen3next.Qwen3NextTensors(self.config.linear_attention)  # type: ignore[arg-type]
+        rewrite = hybrid.HybridTensors(self.config.linear_attention)  # type: ignore[arg-type]
         for name, t in self._read(dtype, keep_packed, rewrite.dense):
-            yield from rewrite.join(name, t)
+            yield from rewrite.finish(name, t)
 
     def _read(
         self, dtype: torch.dtype, keep_packed: bool, adjust=lambda name, t: t
@@ -236,7 +238,7 @@ class GGUFSource(ModelSource):
         before they take `dtype`."""
         became: Counter[str] = Counter()
         for t in self.file.tensors:
-            name = hf_tensor_name(t.name, self.arch)
+            name = self._hf_name(t.name)
             if name is None:
                 continue
             heads = self._permuted_heads(name)
@@ -262,6 +264,11 @@ class GGUFSource(ModelSource):
                 continue
             yield name, weight
         logger.info("GGUF tensors: %s", ", ".join(f"{n} {what}" for what, n in became.items()))
+
+    def _hf_name(self, gguf_name: str) -> str | None:
+        if self.arch in hybrid.ARCHITECTURES:
+            return hybrid.tensor_name(gguf_name, self.arch, self._num_layers(), hf_tensor_name)
+        return hf_tensor_name(gguf_name)
 
     def _permuted_heads(self, name: str) -> int | None:
         """The head count of a q/k projection llama.cpp's converter permuted, else None."""
