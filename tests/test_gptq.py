@@ -85,6 +85,19 @@ def _write_checkpoint(src: str, dst, config: dict, zero_offset: int, seed: int =
     return reference
 
 
+PROMPT = [5, 17, 300, 4000, 12, 9, 77, 1024]
+GREEDY = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+
+
+def _greedy_against_hf(engine, hf):
+    """kiln's logits of 4 greedy steps, its tokens, and HF's logits on the same sequence."""
+    out, logits = run_schedule(engine, [(0, PROMPT, GREEDY)], record_logits=True)
+    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([PROMPT + tokens[:-1]])).logits[0, len(PROMPT) - 1 :]
+    return ours, tokens, ref
+
+
 FORMATS = {
     "gptq-4bit-g32-asym": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "sym": False,
                             "desc_act": False}, 1),
@@ -108,12 +121,7 @@ def test_w4a16_checkpoint_matches_hf_on_the_dequantized_weights(tiny_models, tmp
     engine = make_engine(str(path))
     model = engine.runner.model
     assert sum(isinstance(m, PackedInt4) for m in model.modules()) == 2 * 4  # 2 layers x 4
-    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
-    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    ours, tokens, ref = _greedy_against_hf(engine, hf)
     # bf16 outputs of each plane's product (test_packed.py): a few bf16 ulps per plane
     # (measured: 2.9 and 2.2 for 4 bits, 9.6 for 8 bits, whose low plane's zero term is large)
     planes = 2 if config["bits"] == 8 else 1
@@ -121,7 +129,7 @@ def test_w4a16_checkpoint_matches_hf_on_the_dequantized_weights(tiny_models, tmp
     torch.testing.assert_close(ours, ref, rtol=0, atol=tol)
     assert tokens == ref.argmax(-1).tolist()
     dense = make_engine(str(path), quantization="none")  # dequantized at load, float32
-    out, logits = run_schedule(dense, [(0, prompt, params)], record_logits=True)
+    _, logits = run_schedule(dense, [(0, PROMPT, GREEDY)], record_logits=True)
     torch.testing.assert_close(torch.stack(logits["0"]).float(), ref, rtol=1e-4,
                                atol=1e-4 * ref.abs().max().item())  # fmt: skip
 
@@ -188,11 +196,6 @@ def test_a_w4a16_moe_checkpoint_keeps_its_experts_packed(tiny_models, tmp_path):
     model = engine.runner.model
     assert sum(isinstance(m, PackedExperts) for m in model.modules()) == 2  # layer 0's stacks
     assert "experts: gptq -> int4 packed, group 32" in [f for f, _, _ in model.weight_summary]
-    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
-    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    ours, tokens, ref = _greedy_against_hf(engine, hf)
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
     assert tokens == ref.argmax(-1).tolist()
