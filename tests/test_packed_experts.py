@@ -42,19 +42,20 @@ def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
     return ref, gguf_codes(kind, data, (n, k))
 
 
-def _experts(kinds: list[str | None], seed: int = 0):
-    """FusedExperts loaded with expert e's three parts in `kinds[e]` (None: dense float32),
-    and the float32 reference stacks."""
+def _experts(kinds: list, seed: int = 0):
+    """FusedExperts loaded with expert e's three parts in `kinds[e]` (None: dense float32; a
+    tuple: gate, up and down each its own), and the float32 reference stacks."""
     rng = np.random.default_rng(seed)
     experts = FusedExperts(len(kinds), H, I)
     gate_up, down = torch.empty(len(kinds), 2 * I, H), torch.empty(len(kinds), H, I)
-    for e, kind in enumerate(kinds):
-        for proj, (n, k), rows in (("gate_proj", (I, H), gate_up[e, :I]),
-                                   ("up_proj", (I, H), gate_up[e, I:]),
-                                   ("down_proj", (H, I), down[e])):  # fmt: skip
+    for e, kinds_of_expert in enumerate(kinds):
+        for i, (proj, (n, k), rows) in enumerate((("gate_proj", (I, H), gate_up[e, :I]),
+                                                  ("up_proj", (I, H), gate_up[e, I:]),
+                                                  ("down_proj", (H, I), down[e]))):  # fmt: skip
+            kind = kinds_of_expert[i] if isinstance(kinds_of_expert, tuple) else kinds_of_expert
             if kind is None:
                 rows.copy_(torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32)))
-                experts.part(e, proj).copy_(rows)
+                experts.load_dense(e, proj, rows)
                 continue
             ref, planes = _quantized(kind, n, k, rng)
             rows.copy_(ref)
@@ -76,13 +77,13 @@ def _routing(tokens: int, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, H, generator=g)
     ids = torch.rand(tokens, E, generator=g).topk(2, dim=-1).indices
-    ids[: tokens // 2, 0] = 0  # expert 0 takes half of the rows: past the bf16 dequant switch
+    ids[: tokens // 2, 0] = 0  # expert 0 takes half of the rows: past the dequant switch
     return x, ids, torch.rand(tokens, 2, generator=g)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: bf16's dense path for expert 0
+@pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: the dense path for expert 0
 def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     experts, gate_up, down = _experts([kind] * E)
     assert set(experts.packed) == {"gate_up_proj", "down_proj"}
@@ -114,7 +115,23 @@ def test_a_dense_expert_among_quantized_ones_dequantizes_the_stack():
     experts, gate_up, down = _experts(["Q4_1", None, "Q4_1"])
     assert not experts.packed and not experts.packers
     assert experts.fallback_reasons["down_proj"] == "not every expert arrived quantized"
-    _assert_equal_but_packed_scales(experts, gate_up, down, packed_first=[0, 2])
+    # the dense expert made the stacks dense at once: expert 2 was never packed
+    _assert_equal_but_packed_scales(experts, gate_up, down, packed_first=[0])
+
+
+def test_gate_and_up_of_different_formats_make_their_stack_dense():
+    """A gate part in Q4_0 and its up part in Q8_0 (two planes) cannot share one packed
+    matrix: the gate/up stack is dequantized, exactly (nothing was packed), the down stack
+    stays packed."""
+    experts, gate_up, down = _experts([("Q4_0", "Q8_0", "Q4_0")] * E)
+    assert set(experts.packed) == {"down_proj"}
+    reason = experts.fallback_reasons["gate_up_proj"]
+    assert "gate_proj and up_proj parts are in different" in reason
+    assert torch.equal(experts.gate_up_proj, gate_up)
+    x, ids, weights = _routing(7)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
 
 
 def _assert_equal_but_packed_scales(experts, gate_up, down, packed_first: list[int]) -> None:

@@ -47,6 +47,7 @@ def load_draft(config: EngineConfig, target_model, device: torch.device, load_mo
     spec = config.speculative
     if spec is not None and spec.method == "mtp":
         return _mtp_head(config, target_model, device)
+    getattr(target_model, "mtp_weights", {}).clear()  # the head is not used: its memory back
     if spec is None or spec.method != "draft_model":
         return None
     target = target_model.config
@@ -67,7 +68,7 @@ def load_draft(config: EngineConfig, target_model, device: torch.device, load_mo
 
 def _mtp_head(config: EngineConfig, target_model, device: torch.device) -> LoadedDraft:
     """The MTP head from the mtp.* tensors the target's loader kept (then dropped there)."""
-    tensors: dict[str, torch.Tensor] = getattr(target_model, "mtp_weights", {})
+    tensors = getattr(target_model, "mtp_weights", {})
     target = target_model.config
     if not tensors:
         raise ConfigError(

@@ -124,36 +124,46 @@ class FusedExperts(nn.Module):
         """Take one expert's quantized part: packed with the others where a kernel runs them
         all, else dequantized into the dense stack."""
         stack = _stack_of(proj)
-        dense = getattr(self, stack)
+        if stack in self.fallback_reasons:
+            self.part(expert, proj).copy_(t.dequantize())
+            return
         packer = self.packers.setdefault(
-            stack, ExpertPacker(self.num_experts, PROJECTIONS[stack], dense.device)
+            stack, ExpertPacker(self.num_experts, PROJECTIONS[stack], getattr(self, stack).device)
         )
-        whole = packer.add(expert, proj, t)
+        if packer.reason is None:
+            packer.add(expert, proj, t)  # a part it cannot pack stays in its `parts`
+        else:  # no kernel on this device: known before the first part
+            self.part(expert, proj).copy_(t.dequantize())
         if packer.reason is not None:
-            self.fallback_reasons[stack] = packer.reason
-            dequantized = packer.dense_experts()
-            if whole is not None:
-                dequantized[expert] = whole
-            for e, w in dequantized.items():
-                dense.data[e].copy_(w)
+            self._fall_back(stack, packer.reason)
         elif packer.complete:
             self.packed[stack] = packer.stack()
             del self.packers[stack]
             setattr(self, stack, None)  # the dense stack's pages were never written
 
+    def load_dense(self, expert: int, proj: str, t: torch.Tensor) -> None:
+        """Take one expert's dense part; a stack being packed is dequantized instead."""
+        stack = _stack_of(proj)
+        if stack in self.packers:
+            self._fall_back(stack, "not every expert arrived quantized")
+        self.part(expert, proj).copy_(t)
+
+    def _fall_back(self, stack: str, reason: str) -> None:
+        """The stack dense from here on: what its packer holds, dequantized into it."""
+        packer = self.packers.pop(stack)
+        self.fallback_reasons[stack] = reason
+        dense = getattr(self, stack)
+        for e, w in packer.dense_experts().items():
+            dense.data[e].copy_(w)
+        for e, parts in packer.parts.items():
+            for proj, t in parts.items():
+                self.part(e, proj).copy_(t.dequantize())
+
     def finalize(self, device: torch.device) -> None:
-        """Stacks whose experts did not all arrive quantized: their packed experts and parts
-        dequantized into the dense stack."""
-        for stack, packer in self.packers.items():
-            dense = getattr(self, stack)
-            for e, w in packer.dense_experts().items():
-                dense.data[e].copy_(w)
-            for e, parts in packer.parts.items():
-                for proj, t in parts.items():
-                    self.part(e, proj).copy_(t.dequantize())
-            if packer.first is not None and stack not in self.fallback_reasons:
-                self.fallback_reasons[stack] = "not every expert arrived quantized"
-        self.packers = {}
+        """Stacks whose experts did not all arrive (the loader names the missing tensors):
+        what they hold, dequantized into the dense stack."""
+        for stack in list(self.packers):
+            self._fall_back(stack, "not every expert arrived quantized")
 
     def _operand(self, stack: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
         if stack in self.packed:

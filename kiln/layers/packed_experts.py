@@ -1,13 +1,14 @@
 """Experts kept 4-bit packed: each projection (gate_up, down) of a mixture-of-experts layer as
 one stack of packed planes over the expert dimension, the layout of kiln/layers/packed.py per
-expert. A Qwen3-30B-A3B in Q4_K keeps about 17 GB of planes where its experts dequantized to
-bf16 would take 61 GB.
+expert. Qwen3-30B-A3B's experts in Q4_K keep about 18 GB of planes (codes and bf16 scales)
+where, dequantized, they would take 58 GB in bf16.
 
 Checkpoints store experts one at a time (GGUF's stacked tensors are read one expert at a time
 too), so `ExpertPacker` packs each expert as soon as its parts (gate and up, or down) have
-arrived and stacks the experts once all have: the load never holds more than one expert's
-4-bit codes. The stack's first dimension is the expert, so expert parallelism slices it as it
-slices the dense stack.
+arrived, into its slot of the stack. A GGUF file stores a layer's gate stack before its up
+stack, so the load holds one layer's gate codes until the up parts arrive, never more. The
+stack's first dimension is the expert, so expert parallelism (not built yet) will slice it as
+it will slice the dense stack.
 
 The product is `kiln::moe_experts_int4`: the rows sorted by expert as the dense op sorts them,
 one int4 matmul per active expert (PyTorch's CPU kernel through `int4_mm`'s row-count policy).
@@ -57,46 +58,48 @@ class PackedExperts(nn.Module):
 
     def dequantize(self, expert: int) -> torch.Tensor:
         """float32 [N, K] of one expert, as the kernel sees it (bf16 scales)."""
-        packed, scales_zeros = self.planes()
-        w = functools.reduce(torch.add, (
-            cpu_dequantize_t(p[expert], sz[expert], self.group_size, torch.float32)
-            for p, sz in zip(packed, scales_zeros)
-        ))  # fmt: skip
-        return w.t()[: self.out_features]
+        stacks = list(zip(*self.planes()))
+        return _dequantize_expert(stacks, expert, self.group_size, self.out_features)
 
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+def _dequantize_expert(stacks, expert: int, group_size: int, rows: int) -> torch.Tensor:
+    w = functools.reduce(torch.add, (
+        cpu_dequantize_t(p[expert], sz[expert], group_size, torch.float32) for p, sz in stacks
+    ))  # fmt: skip
+    return w.t()[:rows]
 
 
 class ExpertPacker:
     """Collects one projection's quantized parts (`part_names`, stacked by rows in that order)
     expert by expert, packing each complete expert into its slot of the stacks; `stack()` gives
-    the PackedExperts once every expert is in. Where an expert cannot be packed (`reason`), the
-    experts so far are handed back dense by `dense_experts()` and the rest are dequantized as
-    they arrive."""
+    the PackedExperts once every expert is in. Where the experts cannot be packed (`reason`,
+    checked as each expert completes), the owner takes back what it holds, dequantized, through
+    `dense_experts()` and the pending `parts`."""
 
     def __init__(self, num_experts: int, part_names: tuple[str, ...], device: torch.device):
         self.num_experts, self.part_names, self.device = num_experts, part_names, device
-        self.parts: dict[int, dict[str, QuantizedTensor]] = {}  # experts not yet complete
+        self.parts: dict[int, dict[str, QuantizedTensor]] = {}  # experts not yet packed
         self.stacks: list[tuple[torch.Tensor, torch.Tensor]] = []  # per plane, made once
         self.filled: set[int] = set()
-        self.first: QuantizedTensor | None = None  # the format every expert must share
+        # (kind, planes, group size, shape) every expert must share, from the first one
+        self.format: tuple[str, int, int, tuple[int, int]] | None = None
         self.reason: str | None = None
+        if device.type != "cpu":
+            self.reason = f"device {device.type} (kiln's packed experts run on the CPU only)"
 
-    def add(self, expert: int, part: str, t: QuantizedTensor) -> torch.Tensor | None:
-        """Take one part; returns the expert's dense [rows, K] once it is complete and cannot be
-        packed (the caller copies it into the dense stack), else None."""
+    def add(self, expert: int, part: str, t: QuantizedTensor) -> None:
+        """Take one part; an expert whose parts are all in is packed, or sets `reason` (its
+        parts then stay in `parts` for the owner's fallback)."""
         parts = self.parts.setdefault(expert, {})
         parts[part] = t
         if len(parts) < len(self.part_names):
-            return None
-        done = self.parts.pop(expert)
-        whole = cat_rows([done[name] for name in self.part_names])
-        if self.reason is None:
-            self.reason = self._reason(whole)
+            return
+        ordered = [parts[name] for name in self.part_names]
+        self.reason = self._reason(ordered)
         if self.reason is not None:
-            return whole.dequantize()
-        for i, plane in enumerate(whole.planes):
+            return
+        del self.parts[expert]
+        for i, plane in enumerate(cat_rows(ordered).planes):
             packed, scales_zeros = pack_plane(plane, self.device)
             if len(self.stacks) == i:  # written in place: the load never copies a stack
                 self.stacks.append(tuple(  # type: ignore[arg-type]
@@ -105,14 +108,17 @@ class ExpertPacker:
             self.stacks[i][0][expert].copy_(packed)
             self.stacks[i][1][expert].copy_(scales_zeros)
         self.filled.add(expert)
-        return None
 
-    def _reason(self, whole: QuantizedTensor) -> str | None:
-        if self.first is None:
-            self.first = whole
-            return unpackable_reason(whole, self.device)
-        same = (len(whole.planes), whole.group_size) == (len(self.first.planes),
-                                                          self.first.group_size)  # fmt: skip
+    def _reason(self, parts: list[QuantizedTensor]) -> str | None:
+        forms = {(len(p.planes), p.group_size) for p in parts}
+        if len(forms) > 1:
+            return f"its {' and '.join(self.part_names)} parts are in different quantized formats"
+        rows = sum(p.shape[0] for p in parts)
+        form = (parts[0].kind, *forms.pop(), (rows, parts[0].shape[1]))
+        if self.format is None:
+            self.format = form  # type: ignore[assignment]
+            return unpackable_reason(cat_rows(parts), self.device)
+        same = form[1:] == self.format[1:]
         return None if same else "its experts arrived in different quantized formats"
 
     @property
@@ -120,19 +126,16 @@ class ExpertPacker:
         return self.reason is None and len(self.filled) == self.num_experts
 
     def stack(self) -> PackedExperts:
-        t = self.first
-        return PackedExperts(self.stacks, t.kind, t.group_size, t.shape)  # type: ignore[union-attr]
+        kind, _, group_size, shape = self.format  # type: ignore[misc]
+        return PackedExperts(self.stacks, kind, group_size, shape)
 
     def dense_experts(self) -> dict[int, torch.Tensor]:
         """Every expert packed so far, dequantized (float32 [rows, K], with the bf16 scales it
         was packed with), and forgotten."""
-        out = {}
-        for expert in self.filled:
-            w = functools.reduce(torch.add, (
-                cpu_dequantize_t(p[expert], sz[expert], self.first.group_size, torch.float32)  # type: ignore[union-attr]
-                for p, sz in self.stacks
-            ))  # fmt: skip
-            out[expert] = w.t()[: self.first.shape[0]]  # type: ignore[union-attr]
+        if self.format is None:
+            return {}
+        _, _, group_size, (rows, _) = self.format
+        out = {e: _dequantize_expert(self.stacks, e, group_size, rows) for e in self.filled}
         self.stacks, self.filled = [], set()
         return out
 

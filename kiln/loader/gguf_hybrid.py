@@ -234,7 +234,8 @@ def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
         return t[:, index]
     g = t.group_size
     groups = index.view(-1, g) if len(index) % g == 0 else None
-    if groups is None or not torch.equal(groups - groups[:, :1], torch.arange(g).expand_as(groups)):
+    whole = groups is not None and bool((groups[:, 0] % g == 0).all())
+    if not whole or not torch.equal(groups - groups[:, :1], torch.arange(g).expand_as(groups)):
         return t.dequantize()[:, index]
     group_index = groups[:, 0] // g
     planes = [Int4Codes(p.codes[:, index], p.scale[:, group_index], p.zero[:, group_index], g)

@@ -20,6 +20,7 @@ from kiln.attention import Attention, AttentionBackend, AttentionMetadata
 from kiln.errors import ConfigError
 from kiln.layers.gated_deltanet import GatedDeltaNet
 from kiln.layers.linear import Linear
+from kiln.layers.moe import FusedExperts
 from kiln.layers.norm import ZeroCentredRMSNorm
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderLM
@@ -77,7 +78,7 @@ class MTPHead(nn.Module):
 
     def finalize(self, device: torch.device) -> None:
         for module in self.modules():
-            if isinstance(module, Linear):
+            if isinstance(module, (Linear, FusedExperts)):
                 module.finalize(device)
 
     def attention_layers(self) -> list[Attention]:

@@ -14,6 +14,7 @@ from kiln.attention import Attention, AttentionBackend, AttentionMetadata
 from kiln.layers.gated_deltanet import GatedDeltaNet
 from kiln.layers.linear import Linear
 from kiln.layers.norm import ZeroCentredRMSNorm
+from kiln.layers.packed import QuantizedTensor
 from kiln.layers.rotary import apply_partial_rotary
 from kiln.models.config import ModelConfig
 from kiln.models.decoder import DecoderLM, mlp_for
@@ -77,4 +78,4 @@ class HybridCausalLM(DecoderLM):
         super().__init__(cfg, lambda i: HybridLayer(cfg, backend, i), norm, rotary_dim)
         # the checkpoint's multi-token-prediction head (mtp.*), kept as loaded: its proposer
         # is speculative decoding's; transformers drops these tensors
-        self.mtp_weights: dict[str, torch.Tensor] = {}
+        self.mtp_weights: dict[str, torch.Tensor | QuantizedTensor] = {}

@@ -68,18 +68,19 @@ def _load_expert(model: nn.Module, name: str, tensor: Tensor) -> list[str] | Non
     if not isinstance(owner, FusedExperts):
         return None
     if rest in ("gate_up_proj", "down_proj"):
+        if rest in owner.packed:
+            raise ModelLoadError(f"tensor {name!r}: that stack of experts arrived twice")
         _copy(getattr(owner, rest), name, tensor)
         parts = _EXPERT_PARTS[:2] if rest == "gate_up_proj" else _EXPERT_PARTS[2:]
         return [_expert_key(owner_path, e, p) for e in range(owner.num_experts) for p in parts]
     expert, proj, _ = [*rest.split("."), "", "", ""][:3]
     if not expert.isdigit() or int(expert) >= owner.num_experts or proj not in _EXPERT_PARTS:
         raise ModelLoadError(f"tensor {name!r} names no expert projection of this model")
-    target = owner.part(int(expert), proj)
+    _check_shape(owner.part(int(expert), proj), name, tensor)
     if isinstance(tensor, QuantizedTensor):
-        _check_shape(target, name, tensor)
         owner.load_quantized(int(expert), proj, tensor)
     else:
-        _copy(target, name, tensor)
+        owner.load_dense(int(expert), proj, tensor)
     return [_expert_key(owner_path, int(expert), proj)]
 
 
@@ -131,7 +132,8 @@ def load_weights(model: nn.Module, tensors: Iterable[tuple[str, Tensor]]) -> Non
         if name.endswith("rotary_emb.inv_freq") or (tied and name == "lm_head.weight"):
             continue
         if name.startswith("mtp.") and hasattr(model, "mtp_weights"):
-            model.mtp_weights[name] = _dense(tensor)  # the MTP head, for speculative decoding
+            # the MTP head, for speculative decoding: as loaded (its own load packs it)
+            model.mtp_weights[name] = tensor
             continue
         with torch.no_grad():
             expert_keys = _load_expert(model, name, tensor) if "layers." in name else None
