@@ -101,11 +101,7 @@ def _experts(w: gguf.GGUFWriter, rng: np.random.Generator, make, kind: str, laye
         w.add_tensor(f"blk.{layer}.{name}.weight", stacked, raw_dtype=T[kind])
 
 
-def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
-    s, rng = SHAPES[shape], np.random.default_rng(seed)
-    make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
-    w = gguf.GGUFWriter(out, s.get("arch", "llama"))
-    w.add_name(f"random {shape} {kind}")
+def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
     w.add_block_count(s["layers"])
     w.add_context_length(s["context"])
     w.add_embedding_length(s["hidden"])
@@ -122,6 +118,14 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
         w.add_expert_used_count(s["top_k"])
         w.add_expert_feed_forward_length(s["expert_intermediate"])
         w.add_expert_weights_norm(True)
+
+
+def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
+    s, rng = SHAPES[shape], np.random.default_rng(seed)
+    make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
+    w = gguf.GGUFWriter(out, s.get("arch", "llama"))
+    w.add_name(f"random {shape} {kind}")
+    _metadata(w, s)
     control = _copy_tokenizer(w, s["vocab"])
     hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
 
