@@ -283,21 +283,31 @@ def test_the_server_streams_a_hybrid_model(tiny_models):
         assert server.stop() == 0
 
 
-def test_mtp_tensors_are_kept_not_dropped(tiny_models, tmp_path):
-    """A checkpoint with a multi-token-prediction head (mtp.*, as Qwen3-Next ships it): its
-    tensors are kept on the model, byte for byte, for speculative decoding."""
+def test_mtp_tensors_are_kept_for_the_head_and_freed_without_it(tiny_models, tmp_path):
+    """A checkpoint with a multi-token-prediction head (mtp.*, as Qwen3-Next ships it): the load
+    keeps its tensors on the model, byte for byte, for speculative decoding; an engine that does
+    not speculate with it gives their memory back."""
     import shutil
 
     from safetensors.torch import load_file, save_file
+
+    from kiln.attention.torch_backend import TorchPagedAttentionBackend
+    from kiln.loader import open_model
+    from kiln.models import build_model
+    from kiln.models.weights import load_weights
 
     path = tmp_path / "with_mtp"
     shutil.copytree(tiny_models["qwen3_next"], path)
     tensors = load_file(str(path / "model.safetensors"))
     mtp = {"mtp.fc.weight": torch.randn(64, 128), "mtp.norm.weight": torch.randn(64)}
     save_file({**tensors, **mtp}, str(path / "model.safetensors"))
-    engine = make_engine(str(path), prefix_caching=False)
-    kept = engine.runner.model.mtp_weights
+    source = open_model(str(path))
+    model = build_model(source.config, TorchPagedAttentionBackend(torch.float32))
+    load_weights(model, source.tensors(torch.float32))
+    kept = model.mtp_weights
     assert set(kept) == set(mtp) and all(torch.equal(kept[k], mtp[k]) for k in mtp)
+    engine = make_engine(str(path), prefix_caching=False)
+    assert engine.runner.model.mtp_weights == {}
 
 
 def test_a_saved_trace_serves_only_the_state_pool_it_was_traced_with(

@@ -17,33 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import SwiGLU
 from kiln.layers.packed import QuantizedTensor
 from kiln.layers.packed_experts import ExpertPacker
-
-
-def _sorted_by_expert(ids: torch.Tensor, num_experts: int):
-    """(the token of each routed row, the rows' order, tokens per expert), rows sorted by
-    expert."""
-    flat = ids.reshape(-1)
-    order = flat.argsort(stable=True)
-    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
-    counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    return order // ids.shape[1], order, counts
-
-
-def experts_loop(x, ids, weights, num_experts: int, project) -> torch.Tensor:
-    """The routed rows sorted by expert, `project(rows, expert)` once per active expert; the
-    counts come to the host (free on the CPU, a sync on CUDA, where it cannot be captured)."""
-    tokens, order, counts = _sorted_by_expert(ids, num_experts)
-    routed, start = x[tokens], 0
-    out = torch.empty_like(routed)
-    for expert, count in enumerate(counts.tolist()):
-        if count:
-            out[start : start + count] = project(routed[start : start + count], expert)
-            start += count
-    return _combine(x, out, tokens, order, weights)
 
 
 def experts_by_loop(x, gate_up, down, ids, weights) -> torch.Tensor:
@@ -59,17 +37,12 @@ def experts_by_loop(x, gate_up, down, ids, weights) -> torch.Tensor:
 def experts_grouped(x, gate_up, down, ids, weights) -> torch.Tensor:
     """The same through `torch._grouped_mm` with the group ends on the device: no host sync,
     so it is capturable in a CUDA graph."""
-    tokens, order, counts = _sorted_by_expert(ids, gate_up.shape[0])
+    tokens, order, counts = sorted_by_expert(ids, gate_up.shape[0])
     ends = counts.cumsum(0, dtype=torch.int32)
     hidden = torch._grouped_mm(x[tokens], gate_up.transpose(1, 2), offs=ends)
     gate, up = hidden.chunk(2, dim=-1)
     out = torch._grouped_mm(F.silu(gate) * up, down.transpose(1, 2), offs=ends)
-    return _combine(x, out, tokens, order, weights)
-
-
-def _combine(x, routed_out, tokens, order, weights) -> torch.Tensor:
-    routed_out = routed_out * weights.reshape(-1)[order, None]
-    return x.new_zeros(x.shape).index_add_(0, tokens, routed_out)
+    return combine(x, out, tokens, order, weights)
 
 
 def _moe_experts(x, gate_up, down, ids, weights) -> torch.Tensor:

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers.expert_routing import experts_loop
 from kiln.layers.packed import QuantizedTensor, cat_rows, cpu_dequantize_t, int4_matmul, pack_plane
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 
@@ -160,8 +161,6 @@ def _moe_experts_int4(
     down: list[torch.Tensor], down_sz: list[torch.Tensor], group_sizes: list[int],
     intermediate: int, ids: torch.Tensor, weights: torch.Tensor,
 ) -> torch.Tensor:  # fmt: skip
-    from kiln.layers.moe import experts_loop
-
     def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
         hidden = _expert_product(rows, gate_up, gate_up_sz, group_sizes[0], expert,
                                  2 * intermediate)  # fmt: skip

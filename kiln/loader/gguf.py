@@ -19,9 +19,9 @@ import gguf
 import numpy as np
 import torch
 
+import kiln.loader.gguf_hybrid as hybrid
 from kiln.errors import ModelLoadError
 from kiln.layers.packed import Int4Codes, QuantizedTensor
-from kiln.loader import gguf_hybrid as hybrid
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
