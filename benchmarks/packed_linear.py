@@ -4,8 +4,10 @@ embedded model's matrix shapes: microseconds per call by row count.
     python benchmarks/packed_linear.py
     python benchmarks/packed_linear.py --rows 1 2 16 64 256 512 --iters 50
 
-Columns: `int4` is PyTorch's CPU int4 kernel on bf16 rows; `int4 f32` the same for float32
-rows, split in two bf16 rows (what a float32 model runs); `int4 x2` two planes (Q8_0);
+Columns: `aten bf16` is PyTorch's CPU int4 kernel on bf16 rows; `aten f32` the same for
+float32 rows, split in two bf16 rows (a float32 model's path where kiln's kernel is not built);
+`kiln f32` kiln's C++ int4 kernel on float32 rows (kiln/layers/int4_kernel.py: the path below
+256 rows where it is built), `kiln x2` the packed layer's op on two planes (Q8_0);
 `dequant+mm` the weight dequantized to bf16 and one bf16 matmul (a bf16 model from 256 rows);
 `onednn bf16` and `onednn f32` the dense linears of `--quantization none`. Weights are random;
 every call reads the same weight, so these are cache-warm kernel times (a whole model's step
@@ -18,8 +20,16 @@ import time
 
 import torch
 
+from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
-from kiln.layers.packed import Int4Codes, PackedInt4, QuantizedTensor, cpu_dequantize_t
+from kiln.layers.packed import (
+    Int4Codes,
+    PackedInt4,
+    QuantizedTensor,
+    cpu_block_n,
+    cpu_dequantize_t,
+    split_float32,
+)
 
 # (name, out features, in features) of SmolLM2-135M's linears
 SHAPES = [
@@ -60,12 +70,19 @@ def measure(n: int, k: int, rows: int, iters: int) -> dict[str, float]:
     sz = one.scales_zeros0
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     its = max(3, iters // max(1, rows // 16)) if n < 10000 else max(3, iters // 10)
+
+    def aten_f32():
+        y = mm(split_float32(x32), one.packed0, 32, sz).float()
+        return y[:rows] + y[rows:]
+
     row = {
-        "int4": _time(lambda: mm(x16, one.packed0, 32, sz), its),
-        "int4 f32": _time(lambda: one(x32), its),
-        "int4 x2": _time(lambda: two(x16), its),
-        "dequant+mm": _time(lambda: x16 @ cpu_dequantize_t(one.packed0, sz, 32), its),
+        "aten bf16": _time(lambda: mm(x16, one.packed0, 32, sz), its),
+        "aten f32": _time(aten_f32, its),
     }
+    if (kernel := int4_matmul_kernel()) is not None:
+        row["kiln f32"] = _time(lambda: kernel.matmul(x32, one.packed0, sz, 32, cpu_block_n()), its)
+    row["kiln x2"] = _time(lambda: two(x32), its)
+    row["dequant+mm"] = _time(lambda: x16 @ cpu_dequantize_t(one.packed0, sz, 32), its)
     if p16 is not None:
         row["onednn bf16"] = _time(lambda: onednn_linear(x16, p16), its)
     if p32 is not None:

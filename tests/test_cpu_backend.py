@@ -257,14 +257,15 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
     kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
     its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops."""
+    from kiln import native
     from kiln.attention import cpu_kernel
 
     heads, kv_heads, dim = shape
-    cpu_flags = cpu_kernel._cpu_flags().split()
+    cpu_flags = native._cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())
     if any(flag not in cpu_flags for flag in needs):
         pytest.skip(f"this CPU has no {' and '.join(needs)}")
-    generic = tuple(f for f in cpu_kernel.FLAGS if f != "-march=native")
+    generic = tuple(f for f in native.FLAGS if f != "-march=native")
     native_isa = (3 if "avx512_bf16" in cpu_flags else 2 if "avx512f" in cpu_flags else
                   1 if {"avx2", "fma"} <= set(cpu_flags) else 0)  # fmt: skip
     builds = {"avx512": (("-mavx512f",), 2), "avx2": (("-mavx2", "-mfma"), 1), "portable": ((), 0)}

@@ -188,3 +188,43 @@ def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: s
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
     return torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+
+
+@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("block", [32, 64])  # AVX2's layout and AVX-512's: any build reads both
+@pytest.mark.parametrize("group", [32, 128])
+def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
+    """kiln's C++ int4 matmul on aten's CPU layout, every build this CPU runs, against float64
+    by hand: rows 1, 2, 3 and 5 (its register blocks of rows and their remainder), and the
+    second plane of Q8_0 added into the first's output."""
+    from kiln import native
+    from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
+    from kiln.layers.packed import cpu_dequantize_t, cpu_pack
+
+    cpu_flags = native._cpu_flags().split()
+    if build == "avx2" and not {"avx2", "fma"} <= set(cpu_flags):
+        pytest.skip("this CPU has no AVX2 with FMA")
+    generic = tuple(f for f in native.FLAGS if f != "-march=native")
+    extra = {"avx2": ("-mavx2", "-mfma"), "portable": ()}
+    if build == "native":
+        kernel = int4_matmul_kernel()
+    else:
+        kernel = load_int4_matmul((*generic, *extra[build]))
+    if build == "native" and ("avx2" in cpu_flags or "avx512f" in cpu_flags):
+        assert kernel is not None and kernel.vectorized  # the engine's path, not aten's
+    assert kernel is not None and kernel.isa == {"avx2": 1, "portable": 0}.get(build, kernel.isa)
+    n, k = 128, 512
+    planes = []
+    for _ in range(2):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
+        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+        planes.append((cpu_pack(codes, block), sz))
+    w = [cpu_dequantize_t(p, sz, group, torch.float64, block) for p, sz in planes]  # [K, N]
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k)
+        y = kernel.matmul(x, *planes[0], group, block)
+        kernel.matmul(x, *planes[1], group, block, out=y)
+        want = x.double() @ (w[0] + w[1])
+        scale_of_sums = (x.double().abs() @ (w[0].abs() + w[1].abs())).max().item()
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums)

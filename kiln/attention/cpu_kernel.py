@@ -1,33 +1,23 @@
 """The CPU decode-attention kernel (`csrc/paged_decode.cpp`), built at first use with the
-machine's C++ compiler and loaded with ctypes.
-
-Built, not shipped: `-march=native` gives it the CPU's AVX-512 and AVX512-BF16, or AVX2 and
-FMA, where they exist, and the compiler it needs is the one Inductor already needs for mode 3 on
-the CPU. The library is cached under kiln's cache directory, keyed by the source, the flags, the
-compiler's version and the CPU's flags, so a boot after the first only loads it. Where it cannot
-be built (no compiler) the backend keeps its PyTorch path, and says so once."""
+machine's C++ compiler (kiln/native.py) and loaded with ctypes. Where it cannot be built (no
+compiler) the backend keeps its PyTorch path, and says so once."""
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
-import os
-import shutil
 import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kiln.paths import kiln_cache_dir, process_umask
+from kiln.native import FLAGS, build_failure, built_library
 
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_HEADS, MAX_HEAD_DIM = 64, 256
 ISA_NAMES = {0: "portable loops", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 with BF16 dot products"}
@@ -83,7 +73,7 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
         logger.warning(
             "the CPU decode-attention kernel could not be built (%s): decode attention takes the "
             "slower PyTorch path. Remedy: install a C++ compiler with OpenMP (g++), or set CXX",
-            str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else type(exc).__name__,
+            build_failure(exc),
         )
         return None
 
@@ -92,7 +82,7 @@ def load_paged_decode(flags: tuple[str, ...]) -> PagedDecodeKernel:
     """The kernel built with `flags` (cached on disk by them), loaded; raises where it cannot be
     built or loaded. `paged_decode_kernel` is the engine's; other flags are for tests (the
     portable build: FLAGS without -march=native)."""
-    library = ctypes.CDLL(str(_built_library(flags)))
+    library = ctypes.CDLL(str(built_library(SOURCE, flags)))
     _declare(library)
     return PagedDecodeKernel(library, library.kiln_paged_decode_isa())
 
@@ -103,45 +93,3 @@ def _declare(library: ctypes.CDLL) -> None:
     library.kiln_paged_decode.restype = None
     library.kiln_paged_decode.argtypes = [ctypes.c_int, *[ptr] * 7, *[i64] * 7, ctypes.c_float,
                                           ctypes.c_int]  # fmt: skip
-
-
-def _compiler() -> str:
-    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
-        if name and shutil.which(name):
-            return name
-    raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
-
-
-def _built_library(flags: tuple[str, ...]) -> Path:
-    compiler = _compiler()
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
-    key = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(flags).encode(), version.stdout.encode(),
-                 _cpu_flags().encode()):  # fmt: skip
-        key.update(part)
-    path = Path(kiln_cache_dir()) / "kernels" / f"paged_decode-{key.hexdigest()[:16]}.so"
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".so")
-    os.close(fd)
-    try:
-        done = subprocess.run([compiler, *flags, str(SOURCE), "-o", tmp], capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-        if done.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-        os.chmod(tmp, 0o777 & ~process_umask())
-        os.replace(tmp, path)  # another process building it too renames an equal file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature flags (Linux): a cache shared across machines gets a build per CPU."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        return ""

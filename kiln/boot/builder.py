@@ -44,6 +44,7 @@ from kiln.cudagraphs.graph_backend import GraphBackend
 from kiln.engine.llm_engine import BootReport, LLMEngine
 from kiln.engine.state_checkpoints import num_state_checkpoints
 from kiln.errors import ConfigError
+from kiln.layers.int4_kernel import describe_int4_kernel
 from kiln.layers.linear import slow_cpu_dtype
 from kiln.loader import ModelSource, open_model
 from kiln.loader.tokenizer import Tokenizer
@@ -136,6 +137,8 @@ def load_model(
     keep_dense_copies(model, dtype, device, config.prefill_weights)
     model.weight_summary = weight_summary(model)
     logger.info("weights: %s", describe_weights(model.weight_summary))
+    if device.type == "cpu" and any("int4 packed" in fmt for fmt, _, _ in model.weight_summary):
+        logger.info("int4 matmul of decode rows: %s", describe_int4_kernel())
     warning = slow_cpu_dtype(dtype) if device.type == "cpu" else None
     if warning:
         logger.warning(warning)

@@ -8,15 +8,18 @@ That is the map of PyTorch's int4 kernels (`_weight_int4pack_mm_for_cpu`, tinyge
 exactly (only their fp16 scales round to bf16); Q8_0 is two: its int8 q = 16 * hi + lo splits
 into a high plane (hi + 8, scale 16d) and a low one (lo, scale d, zero 8d), whose products add.
 
-The kernels take bf16 activations and return bf16. A float32 model's rows go in split in two
-(the bf16 value and the bf16 of the remainder, products added in float32): 16 bits of each
-activation. On the CPU it is a matrix-vector kernel whose time grows with the rows: from 256
-rows on (prefill chunks), dequantizing the weight (to float32 for a float32 model, bf16 for a
-bf16 one) and running one dense matmul is 2.7-4x faster (docs/performance.md, "Packed
-weights"). The kernel computes each row on its own, so a step of fewer rows (every decode step
-of up to 255 streams) gives a row the same result whatever else is in the batch; a step with a
-long prefill chunk does not. The op picks by the row count at run time: the row count is
-dynamic in compiled graphs, so the choice cannot be made while tracing.
+On the CPU the rows of a step go to kiln's own int4 kernel (kiln/layers/int4_kernel.py, built
+at first use where a C++ compiler exists), which reads the same packed bytes as aten's and takes
+float32 rows as they are: 3-5x aten's kernel on float32 rows and 1.3-1.9x on bf16 rows on an
+AVX2 CPU (docs/performance.md, "kiln's int4 kernel"). Without it, aten's kernel takes bf16
+rows, so a float32 model's rows go in split in two (the bf16 value and the bf16 of the
+remainder, products added in float32): 16 bits of each activation. Either is a matrix-vector
+kernel whose time grows with the rows: from 256 rows on (prefill chunks), dequantizing the
+weight (to float32 for a float32 model, bf16 for a bf16 one) and running one dense matmul is
+faster. Both compute each row on its own, so a step of fewer rows (every decode step of up to
+255 streams) gives a row the same result whatever else is in the batch; a step with a long
+prefill chunk does not. The op picks by the row count at run time: the row count is dynamic in
+compiled graphs, so the choice cannot be made while tracing.
 
 Dequantizing every weight for every prefill chunk costs about as much as the chunk's matmuls.
 A half-precision model on the CPU can instead keep a dense oneDNN copy of each packed weight
@@ -30,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from kiln.layers.int4_kernel import int4_matmul_kernel
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 # The CPU kernel's layouts: [N / B, K, B / 2] bytes, a block's code n in the low nibble of byte
@@ -298,10 +303,14 @@ def int4_matmul(
     rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
 ) -> torch.Tensor:
     """CPU, [R, K] rows times one packed plane -> [R, N padded] in float32 (float32 rows) or
-    bf16. Below DEQUANT_MIN_ROWS rows the kernel (float32 rows split in two, each row computed
-    alone); from there the weight dequantized to the rows' dtype and one dense matmul (2.7-4x
-    faster at 256-512 rows, measured)."""
+    bf16. Below DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32
+    rows split in two), each row computed alone; from there the weight dequantized to the rows'
+    dtype and one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    if rows.shape[0] < DEQUANT_MIN_ROWS and (kernel := int4_matmul_kernel()) is not None:
+        y = kernel.matmul(rows.float().contiguous(), packed, scales_zeros, group_size,
+                          cpu_block_n() or CPU_BLOCKS[0])  # fmt: skip
+        return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
     if rows.dtype == torch.float32:
         if rows.shape[0] >= DEQUANT_MIN_ROWS:
             return rows @ cpu_dequantize_t(packed, scales_zeros, group_size, torch.float32)
@@ -342,10 +351,17 @@ def _int4_or_dense_mm(
     group_size: int,
 ) -> torch.Tensor:
     """CPU, [R, K] rows -> [R, N padded] in the dense copy's dtype: the int4 planes (a second
-    one for Q8_0) below DENSE_MIN_ROWS rows, the dense copy (oneDNN, padded like the planes)
-    from there. A decode step calls it for every linear, so it does no more than it must."""
+    one for Q8_0, added in float32 by kiln's kernel) below DENSE_MIN_ROWS rows, the dense copy
+    (oneDNN, padded like the planes) from there. A decode step calls it for every linear, so it
+    does no more than it must."""
     if rows.shape[0] >= DENSE_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
+    if (kernel := int4_matmul_kernel()) is not None:
+        block, x = cpu_block_n() or CPU_BLOCKS[0], rows.float().contiguous()
+        y = kernel.matmul(x, packed, scales_zeros, group_size, block)
+        if packed1 is not None:
+            kernel.matmul(x, packed1, scales_zeros1, group_size, block, out=y)
+        return y.to(dense.dtype)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     half = rows.to(torch.bfloat16)
     y = mm(half, packed, group_size, scales_zeros)

@@ -1,0 +1,214 @@
+// Rows times a 4-bit packed weight on the CPU, read in PyTorch's own CPU int4 layout.
+//
+// The weight is what aten's _convert_weight_to_int4pack_for_cpu makes (kiln writes it with
+// cpu_pack): [N / B, K, B / 2] bytes, blocks of B output rows (64 where PyTorch has AVX-512, 32
+// with AVX2), byte j of a block's column k holding row j's code in its low nibble and row
+// j + B / 2's in its high one; beside it a [K / G, N, 2] bfloat16 table of (scale, zero) per
+// group of G columns, w = (code - 8) * scale + zero. So no second copy of the weight exists:
+// this kernel and aten's read the same bytes.
+//
+// Why a kernel of kiln's own: aten's takes bfloat16 rows only (a float32 model's rows go in
+// twice, split in two), and on AVX2 machines it streams the weight at a few GB/s. Here a column
+// k of a block is B codes side by side, so a row's product is B / W vector FMAs per column, the
+// rows of a step sharing each widened code vector; float32 rows go in as they are. A group's
+// sums are scaled once: sum_k w x = scale * sum_k code x + (zero - 8 scale) * sum_k x.
+//
+// Built at first use by kiln/layers/int4_kernel.py with the machine's compiler (-O3
+// -march=native -fopenmp), through the same builder as the decode-attention kernel.
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// The vector layer: W float32 lanes; codes(p) widens W bytes to W int32 lanes; scale_zero
+// reads W (scale, zero) bfloat16 pairs, which are 32-bit lanes: the scale is a lane's low half
+// moved up, the zero its high half.
+#if defined(__AVX512F__)
+#define KILN_SIMD 1
+constexpr int64_t W = 16;
+constexpr int REGS = 32;
+using vf = __m512;
+using vi = __m512i;
+inline vf vzero() { return _mm512_setzero_ps(); }
+inline vf vset(float x) { return _mm512_set1_ps(x); }
+inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
+inline vi codes(const uint8_t* p) {
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf low_nibbles(vi v) { return _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))); }
+inline vf high_nibbles(vi v) { return _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)); }
+inline void scale_zero(const uint16_t* p, vf* scale, vf* zero) {
+  const vi v = _mm512_loadu_si512(p);
+  *scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+  *zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KILN_SIMD 1
+constexpr int64_t W = 8;
+constexpr int REGS = 16;
+using vf = __m256;
+using vi = __m256i;
+inline vf vzero() { return _mm256_setzero_ps(); }
+inline vf vset(float x) { return _mm256_set1_ps(x); }
+inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
+inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+inline vi codes(const uint8_t* p) {
+  return _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline vf low_nibbles(vi v) { return _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(15))); }
+inline vf high_nibbles(vi v) { return _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)); }
+inline void scale_zero(const uint16_t* p, vf* scale, vf* zero) {
+  const vi v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  *scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  *zero = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))));
+}
+#endif
+
+struct Problem {
+  const float* x;  // [rows, k]
+  int64_t rows, k;
+  const uint8_t* packed;
+  const uint16_t* scales_zeros;  // [k / group, n, 2]
+  int64_t n, block, group;
+  const float* sums;  // [rows, k / group]: each row's sum over each group
+  float* out;         // [rows, n]
+};
+
+#ifdef KILN_SIMD
+// Rows m0 .. m0 + R of one block of B = V * W output rows: per group, V accumulators per row
+// over the group's columns, then folded into `out` with the group's scales and zeros.
+template <int V, int R>
+void block_rows(const Problem& p, int64_t block, int64_t m0) {
+  constexpr int HALF = V / 2;  // code vectors per column in each nibble
+  const int64_t n0 = block * V * W, groups = p.k / p.group;
+  const uint8_t* column = p.packed + block * p.k * (V * W / 2);
+  for (int64_t g = 0; g < groups; ++g) {
+    vf acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < V; ++j) acc[r][j] = vzero();
+    for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
+      const uint8_t* bytes = column + kk * (V * W / 2);
+      vf xb[R];
+      for (int r = 0; r < R; ++r) xb[r] = vset(p.x[(m0 + r) * p.k + kk]);
+      for (int c = 0; c < HALF; ++c) {
+        const vi v = codes(bytes + c * W);
+        const vf lo = low_nibbles(v), hi = high_nibbles(v);
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = vfmadd(lo, xb[r], acc[r][c]);
+          acc[r][HALF + c] = vfmadd(hi, xb[r], acc[r][HALF + c]);
+        }
+      }
+    }
+    for (int j = 0; j < V; ++j) {
+      vf scale, zero;
+      scale_zero(p.scales_zeros + (g * p.n + n0 + j * W) * 2, &scale, &zero);
+      const vf bias = vfmadd(vset(-8.0f), scale, zero);
+      for (int r = 0; r < R; ++r) {
+        float* o = p.out + (m0 + r) * p.n + n0 + j * W;
+        const vf folded = vfmadd(bias, vset(p.sums[(m0 + r) * groups + g]), vload(o));
+        vstore(o, vfmadd(acc[r][j], scale, folded));
+      }
+    }
+  }
+}
+
+// As many rows at once as the registers hold (V * R accumulators, R broadcasts, two codes).
+template <int V>
+constexpr int rows_at_once() {
+  constexpr int fit = (REGS - 3) / (V + 1);
+  return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
+}
+
+template <int V>
+void block_all_rows(const Problem& p, int64_t block) {
+  constexpr int R = rows_at_once<V>();
+  int64_t m = 0;
+  for (; m + R <= p.rows; m += R) block_rows<V, R>(p, block, m);
+  for (; m < p.rows; ++m) block_rows<V, 1>(p, block, m);
+}
+
+bool run_block(const Problem& p, int64_t block) {
+  switch (p.block / W) {
+    case 2: block_all_rows<2>(p, block); return true;
+    case 4: block_all_rows<4>(p, block); return true;
+    case 8: block_all_rows<8>(p, block); return true;
+    default: return false;
+  }
+}
+#else
+bool run_block(const Problem&, int64_t) { return false; }
+#endif
+
+// The reference: the same sums in scalar code, any block size.
+void run_block_portable(const Problem& p, int64_t block) {
+  const int64_t half = p.block / 2, n0 = block * p.block, groups = p.k / p.group;
+  const uint8_t* column = p.packed + block * p.k * half;
+  std::vector<float> acc(p.block);
+  for (int64_t m = 0; m < p.rows; ++m) {
+    for (int64_t g = 0; g < groups; ++g) {
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
+        const float xk = p.x[m * p.k + kk];
+        const uint8_t* bytes = column + kk * half;
+        for (int64_t j = 0; j < half; ++j) {
+          acc[j] += float(bytes[j] & 15) * xk;
+          acc[half + j] += float(bytes[j] >> 4) * xk;
+        }
+      }
+      for (int64_t j = 0; j < p.block; ++j) {
+        const uint16_t* sz = p.scales_zeros + (g * p.n + n0 + j) * 2;
+        const float scale = bf16_to_float(sz[0]), zero = bf16_to_float(sz[1]);
+        p.out[m * p.n + n0 + j] += acc[j] * scale + (zero - 8.0f * scale) * p.sums[m * groups + g];
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// 0: portable loops, 1: AVX2 with FMA, 2: AVX-512 (as the decode-attention kernel counts).
+int kiln_int4_mm_isa() {
+#if defined(__AVX512F__)
+  return 2;
+#elif defined(KILN_SIMD)
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out [rows, n] float32 = x [rows, k] float32 times the packed weight (n a multiple of block,
+// k of group); added to what out holds when accumulate is set (a second plane of Q8_0).
+void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
+                  const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
+                  float* out, int accumulate, int threads) {
+  const int64_t groups = k / group;
+  std::vector<float> sums(rows * groups, 0.0f);
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
+  if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
+  const Problem p{x, rows, k, packed, scales_zeros, n, block, group, sums.data(), out};
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < n / block; ++b) {
+    if (!run_block(p, b)) run_block_portable(p, b);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,90 @@
+"""kiln's CPU int4 matmul (`csrc/int4_mm.cpp`): rows times a weight packed in PyTorch's own CPU
+int4 layout, float32 rows as they are, built at first use (kiln/native.py).
+
+It replaces aten's `_weight_int4pack_mm_for_cpu` for the rows of decode steps where it was built
+with AVX2 or AVX-512 (docs/performance.md, "kiln's int4 kernel"); the portable build is the
+reference the tests hold the vector builds to, never the engine's path."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.native import FLAGS, build_failure, built_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
+ISA_NAMES = {0: "portable loops", 1: "AVX2", 2: "AVX-512"}
+
+
+@dataclass(frozen=True)
+class Int4MatmulKernel:
+    """The loaded library: `matmul` multiplies float32 rows by one packed plane."""
+
+    library: ctypes.CDLL
+    isa: int  # 0 portable, 1 AVX2 with FMA, 2 AVX-512
+
+    @property
+    def vectorized(self) -> bool:
+        return self.isa > 0
+
+    def matmul(
+        self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+        group_size: int, block_n: int, out: torch.Tensor | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """float32 [R, K] rows (contiguous) times the plane (`packed` [N, K/2] uint8 in blocks
+        of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16) -> float32 [R, N]; added into `out`
+        where it is given."""
+        r, k = rows.shape
+        n = scales_zeros.shape[1]
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(r, n, dtype=torch.float32)
+        self.library.kiln_int4_mm(
+            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(), n, block_n,
+            group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+@functools.cache
+def int4_matmul_kernel() -> Int4MatmulKernel | None:
+    """The engine's kernel: built once per machine and cache directory, None where it cannot be
+    built or has no vector path (aten's kernel stays then)."""
+    try:
+        kernel = load_int4_matmul(FLAGS)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning(
+            "kiln's CPU int4 matmul could not be built (%s): packed weights run on PyTorch's "
+            "int4 kernel, slower on AVX2 CPUs. Remedy: install a C++ compiler with OpenMP "
+            "(g++), or set CXX",
+            build_failure(exc),
+        )
+        return None
+    return kernel if kernel.vectorized else None
+
+
+def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
+    """The kernel built with `flags`, loaded; raises where it cannot be built or loaded."""
+    library = ctypes.CDLL(str(built_library(SOURCE, flags)))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.kiln_int4_mm_isa.restype = ctypes.c_int
+    library.kiln_int4_mm.restype = None
+    library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int,
+                                     ctypes.c_int]  # fmt: skip
+    return Int4MatmulKernel(library, library.kiln_int4_mm_isa())
+
+
+def describe_int4_kernel() -> str:
+    """Which kernel multiplies packed weights below the dequantize switch, for the boot log."""
+    kernel = int4_matmul_kernel()
+    if kernel is None:
+        return "PyTorch's _weight_int4pack_mm_for_cpu (kiln's kernel was not built)"
+    return f"kiln's C++ kernel built with {ISA_NAMES[kernel.isa]}"

@@ -1,0 +1,70 @@
+"""kiln's C++ CPU kernels, built at first use with the machine's C++ compiler and loaded with
+ctypes (the decode-attention kernel, the int4 matmul).
+
+Built, not shipped: `-march=native` gives a kernel the CPU's AVX-512 and AVX512-BF16, or AVX2
+and FMA, where they exist, and the compiler it needs is the one Inductor already needs for mode
+3 on the CPU. A library is cached under kiln's cache directory, keyed by its source, the flags,
+the compiler's version and the CPU's flags, so a boot after the first only loads it."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from kiln.paths import kiln_cache_dir, process_umask
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+
+
+def built_library(source: Path, flags: tuple[str, ...]) -> Path:
+    """The shared library of `source` built with `flags`, from the cache or built now; raises
+    RuntimeError (no compiler, a failed build) or OSError/SubprocessError where it cannot."""
+    compiler = _compiler()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
+    key = hashlib.sha256()
+    for part in (source.read_bytes(), " ".join(flags).encode(), version.stdout.encode(),
+                 _cpu_flags().encode()):  # fmt: skip
+        key.update(part)
+    path = Path(kiln_cache_dir()) / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}", suffix=".so")
+    os.close(fd)
+    try:
+        done = subprocess.run([compiler, *flags, str(source), "-o", tmp], capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+        os.chmod(tmp, 0o777 & ~process_umask())
+        os.replace(tmp, path)  # another process building it too renames an equal file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def build_failure(exc: BaseException) -> str:
+    """The last line of a failed build's message, short enough for a warning."""
+    text = str(exc).strip()
+    return text.splitlines()[-1][:300] if text else type(exc).__name__
+
+
+def _compiler() -> str:
+    for name in (os.environ.get("CXX"), "g++", "c++", "clang++"):
+        if name and shutil.which(name):
+            return name
+    raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags (Linux): a cache shared across machines gets a build per CPU."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
