@@ -190,7 +190,7 @@ def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: s
     return torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
 
 
-@pytest.mark.parametrize("build", ["native", "avx2", "portable"])
+@pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("block", [32, 64])  # AVX2's layout and AVX-512's: any build reads both
 @pytest.mark.parametrize("group", [32, 128])
 def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
@@ -202,17 +202,19 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     from kiln.layers.packed import cpu_dequantize_t, cpu_pack
 
     cpu_flags = native._cpu_flags().split()
-    if build == "avx2" and not {"avx2", "fma"} <= set(cpu_flags):
-        pytest.skip("this CPU has no AVX2 with FMA")
+    needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())
+    if any(flag not in cpu_flags for flag in needs):
+        pytest.skip(f"this CPU has no {' and '.join(needs)}")
     generic = tuple(f for f in native.FLAGS if f != "-march=native")
-    extra = {"avx2": ("-mavx2", "-mfma"), "portable": ()}
+    extra = {"avx512": ("-mavx512f",), "avx2": ("-mavx2", "-mfma"), "portable": ()}
     if build == "native":
         kernel = int4_matmul_kernel()
     else:
         kernel = load_int4_matmul((*generic, *extra[build]))
     if build == "native" and ("avx2" in cpu_flags or "avx512f" in cpu_flags):
         assert kernel is not None and kernel.vectorized  # the engine's path, not aten's
-    assert kernel is not None and kernel.isa == {"avx2": 1, "portable": 0}.get(build, kernel.isa)
+    isa = {"avx512": 2, "avx2": 1, "portable": 0}.get(build, kernel and kernel.isa)
+    assert kernel is not None and kernel.isa == isa
     n, k = 128, 512
     planes = []
     for _ in range(2):
@@ -228,3 +230,21 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
         want = x.double() @ (w[0] + w[1])
         scale_of_sums = (x.double().abs() @ (w[0].abs() + w[1].abs())).max().item()
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums)
+
+
+def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):
+    """The engine's kernel is checked at first use against the dequantized weight by hand; a
+    build whose vector path misreads the packing (here: told the wrong block of rows) shows an
+    error of the values' own size and would be refused with a warning, not used."""
+    from kiln.layers.int4_kernel import SELF_CHECK_TOLERANCE, int4_matmul_kernel, self_check_error
+
+    kernel = int4_matmul_kernel()
+    if kernel is None:
+        pytest.skip("kiln's int4 kernel has no vector build on this CPU")
+    assert self_check_error(kernel) < SELF_CHECK_TOLERANCE
+
+    class SwappedBlocks:  # reads blocks of 64 as 32 and 32 as 64
+        def matmul(self, x, packed, sz, group, block):
+            return kernel.matmul(x, packed, sz, group, 96 - block)
+
+    assert self_check_error(SwappedBlocks()) > 0.1

@@ -68,7 +68,43 @@ def int4_matmul_kernel() -> Int4MatmulKernel | None:
             build_failure(exc),
         )
         return None
-    return kernel if kernel.vectorized else None
+    if not kernel.vectorized:
+        return None
+    error = self_check_error(kernel)
+    if error > SELF_CHECK_TOLERANCE:
+        logger.warning(
+            "kiln's CPU int4 matmul (built with %s) disagrees with the dequantized weight on a "
+            "known matrix (relative error %.2e): packed weights run on PyTorch's int4 kernel. "
+            "Remedy: none needed to serve; report the CPU's flags (grep flags /proc/cpuinfo)",
+            ISA_NAMES[kernel.isa],
+            error,
+        )
+        return None
+    return kernel
+
+
+SELF_CHECK_TOLERANCE = 1e-4  # float32 sums over 256 columns: ~1e-6; a wrong code or scale: ~1
+
+
+def self_check_error(kernel: Int4MatmulKernel) -> float:
+    """The kernel's largest error on a small random matrix in both CPU layouts (blocks of 32
+    and 64), relative to the largest float64 product by hand: a vector path that misreads the
+    layout on some CPU is found at boot, not in a model's output."""
+    from kiln.layers.packed import cpu_dequantize_t, cpu_pack  # packed.py imports this module
+
+    g = torch.Generator().manual_seed(0)
+    n, k, group = 128, 256, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+    scale, zero = torch.rand(n, k // group, generator=g), torch.randn(n, k // group, generator=g)
+    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    x = torch.randn(5, k, generator=g)
+    worst = 0.0
+    for block in (32, 64):
+        packed = cpu_pack(codes, block)
+        want = x.double() @ cpu_dequantize_t(packed, scales_zeros, group, torch.float64, block)
+        got = kernel.matmul(x, packed, scales_zeros, group, block).double()
+        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+    return worst
 
 
 def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
