@@ -15,8 +15,9 @@ around the runner (scheduler, block manager, detokenizer, output).
     python benchmarks/decode_step.py --model /tmp/moe.gguf --configs auto:float32:0 \
         none:float32:0                      # packed experts against dequantized ones (an MoE)
 
-A configuration is QUANTIZATION:DTYPE:MODE[:ATTENTION_BACKEND[:INDUCTOR_OPTIONS]], the last a
-JSON object of Inductor options (`auto:float32:3:auto:{"cpp_wrapper": true}`). Numbers are
+A configuration is QUANTIZATION:DTYPE[/KV_CACHE_DTYPE]:MODE[:ATTENTION_BACKEND[:INDUCTOR_OPTIONS]],
+the last a JSON object of Inductor options (`auto:float32:3:auto:{"cpp_wrapper": true}`);
+`auto:float32/bfloat16:3` is a float32 model over a bf16 KV cache (--kv-cache-dtype). Numbers are
 milliseconds per decode step; the profiled rows count each op's own time under the nearest
 linear, experts or attention op that called it (an attention op's flash kernel and copies are
 attention). The last rows are the resident weight bytes and the rate."""
@@ -72,12 +73,13 @@ class Timers:
 def measure(
     spec: str, tokens: int, threads: int, context: int, streams: int, model: str | None = None
 ) -> dict[str, float]:
-    quantization, dtype, mode, *rest = spec.split(":", 4)
+    quantization, dtypes, mode, *rest = spec.split(":", 4)
+    dtype, kv_dtype = [*dtypes.split("/"), "auto"][:2]
     backend, options = (rest + ["auto", "{}"][len(rest) :])[:2]
     torch.set_num_threads(threads)
     compilation = {"mode": int(mode), "inductor_compile_config": json.loads(options)}
     llm = LLM(model, quantization=quantization, dtype=dtype, compilation_config=compilation,
-              attention_backend=backend)  # fmt: skip
+              attention_backend=backend, kv_cache_dtype=kv_dtype)  # fmt: skip
     prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen

@@ -34,6 +34,7 @@ def make_engine(
     tokenizer: str | None = None,
     prefill_weights: str = "auto",
     speculative=None,
+    kv_cache_dtype: str = "auto",
 ) -> LLMEngine:
     return build_engine(
         EngineConfig(
@@ -46,6 +47,7 @@ def make_engine(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,
                 enable_prefix_caching=prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             scheduler=SchedulerConfig(
                 max_num_seqs=max_num_seqs,

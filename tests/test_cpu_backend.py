@@ -124,6 +124,27 @@ def test_bfloat16_matches_the_reference_backend(tuning):
     assert torch.equal(caches, ref_caches)  # the same keys and values in the same slots
 
 
+@pytest.mark.parametrize("tuning", [*TUNINGS, "torch backend"], ids=str)
+def test_a_bfloat16_cache_under_a_float32_model_matches_attention_by_hand(tuning):
+    """--kv-cache-dtype bfloat16 with a float32 model: the step's keys and values are written
+    rounded to bf16, and every path (the kernel's mixed build, the flash paths, the gathered
+    ones, the torch backend) attends float32 queries over exactly those values, the chunk's own
+    keys included, so it equals attention by hand over the cache within float32 rounding."""
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
+    caches = caches.bfloat16()
+    if tuning == "torch backend":
+        backend = TorchPagedAttentionBackend(torch.float32)
+    else:
+        shape = AttentionShape(6, 2, 16)
+        backend = CpuPagedAttentionBackend(torch.float32, shape, TUNINGS[tuning], torch.bfloat16)
+        assert backend.key_bytes == 2 * 16 * 2  # the gather thresholds count the cache's bytes
+    out = _run(backend, caches, q, k, v, layout)
+    assert out.dtype == torch.float32
+    written = caches[0].view(-1, 2, 16)[layout.slot_mapping[: len(k)]]
+    assert torch.equal(written, k.bfloat16())
+    torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
+
+
 def test_cache_writes_equal_the_reference_backend():
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
     ref_caches = caches.clone()
@@ -249,14 +270,15 @@ def _decodes(layout):
     return InputBuffers(8, 4, len(tables[0]), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     """Decode rows of 8, 13, 16 and 31 keys (mid-block and block edges, fragmented blocks) at
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
     kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
-    its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops."""
+    its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops; float32,
+    bf16, and float32 queries over a bf16 cache (--kv-cache-dtype bfloat16)."""
     from kiln import native
     from kiln.attention import cpu_kernel
 
@@ -275,10 +297,13 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
         extra, isa = builds[build]
         kernel = cpu_kernel.load_paged_decode((*generic, *extra))
     assert kernel is not None and kernel.isa == isa
+    mixed = dtype == "float32 over bf16"  # a float32 model's queries over a bf16 cache
+    dtype = torch.float32 if mixed else dtype
     caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
+    caches = caches.bfloat16() if mixed else caches
     layout = _decodes(layout)  # this step's keys and values written as the op writes them:
-    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4],
-                                                  torch.stack([k[:4], v[:4]]))  # fmt: skip
+    written = torch.stack([k[:4], v[:4]]).to(caches.dtype)
+    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4], written)
     out = torch.full((4, heads, dim), float("nan"), dtype=dtype)
     tables, lens = layout.block_tables[:4].int().contiguous(), layout.seq_lens[:4].int()
     kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)

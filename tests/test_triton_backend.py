@@ -96,6 +96,13 @@ def test_op_matches_torch_backend_with_padding(block_size, head_dim, h, hkv, dty
     _check_against_torch_backend(block_size, head_dim, h, hkv, dtype, BATCH)
 
 
+def test_a_bfloat16_cache_under_float32_queries_matches_the_torch_backend():
+    """--kv-cache-dtype bfloat16 under a float32 model: the kernel stores the step's keys
+    rounded to bf16 (bit for bit what the torch backend writes) and attends every key, the
+    chunk's own included, as the cache holds it."""
+    _check_against_torch_backend(*SHAPES[2], torch.float32, BATCH, cache_dtype=torch.bfloat16)
+
+
 # decodes at contexts of 38, 2 and 0 key tiles, a chunk after 5 tiles: segments of uneven
 # length (cut every 4 tiles or more), empty ones, and sequences whose keys all sit in segment 0
 LONG_BATCH = ([1, 1, 1, 6], [1200, 40, 0, 130])
@@ -141,13 +148,13 @@ def test_small_launches_split_the_keys():
 
 
 def _check_against_torch_backend(
-    block_size, head_dim, h, hkv, dtype, batch, segments=None, blocks=128
+    block_size, head_dim, h, hkv, dtype, batch, segments=None, blocks=128, cache_dtype=None
 ):
     q_lens, firsts = batch
     slots, kv_lens, offsets, starts, tables, flat = _batch(block_size, q_lens, firsts, blocks)
     t, pad = len(slots), 3
     g = torch.Generator().manual_seed(0)
-    cache = torch.randn(2, blocks, block_size, hkv, head_dim, generator=g).to(dtype)
+    cache = torch.randn(2, blocks, block_size, hkv, head_dim, generator=g).to(cache_dtype or dtype)
     q, k, v = (torch.randn(t + pad, n, head_dim, generator=g).to(dtype) for n in (h, hkv, hkv))
     k[t:], v[t:] = float("nan"), float("nan")  # padding rows' inputs cannot reach an output
     out, ours_cache = _triton_attention(

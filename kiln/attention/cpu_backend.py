@@ -36,7 +36,7 @@ from kiln.attention.backend import (
     MetadataBuilder,
 )
 from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
-from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode
+from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode, stored_as
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -91,6 +91,7 @@ def _over_cache(qs, k_flat, v_flat, kind, start, length, parts, piece_slots, sca
         slots = piece_slots[start : start + length]
         keys, values = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
     hkv, d = keys.shape[1:]
+    keys, values = keys.to(qs.dtype), values.to(qs.dtype)  # a bf16 cache under a float32 model
     keys = keys.view(parts, length // parts, hkv, d).transpose(1, 2)
     values = values.view(parts, length // parts, hkv, d).transpose(1, 2)
     queries = qs if parts == 1 else qs.expand(parts, *qs.shape[1:])
@@ -152,8 +153,9 @@ def cpu_paged_attention(
     starts = query_start_loc.tolist()
     n_tokens = starts[-1]
     k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
+    k, v = stored_as(k, v, k_cache.dtype)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     n_kernel = kernel_lens.shape[0]
     if n_kernel:
         kernel = paged_decode_kernel()
@@ -326,9 +328,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
         dtype: torch.dtype,
         shape: AttentionShape,
         tuning: CpuAttentionTuning | None = None,
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
-        self.dtype = dtype
-        self.key_bytes = shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        """dtype: the model's (queries, outputs); kv_dtype: the cache's (default the same)."""
+        self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
+        self.key_bytes = shape.num_kv_heads * shape.head_dim * self.kv_dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
         self.decode_kernel = self._uses_kernel(shape)
         self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"
@@ -340,7 +344,9 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if choice == "off":
             return False
         kernel = paged_decode_kernel()
-        if kernel is None or not kernel.supports(self.dtype, shape.num_heads, shape.head_dim):
+        dims = (shape.num_heads, shape.head_dim)
+        types = (self.dtype, self.kv_dtype)
+        if kernel is None or not all(kernel.supports(t, *dims) for t in types):
             return False
         return choice == "on" or kernel.vectorized
 

@@ -42,15 +42,16 @@ class PagedDecodeKernel:
         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
     ) -> None:  # fmt: skip
         """q, out: [rows, heads, head_dim] contiguous; caches [blocks, block_size, kv_heads,
-        head_dim]; tables [rows, width] and lens [rows] int32: each row's keys are the first
-        lens[r] slots its table maps."""
+        head_dim], float32 or bf16 whatever q is; tables [rows, width] and lens [rows] int32:
+        each row's keys are the first lens[r] slots its table maps."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape
         threads = torch.get_num_threads()
         splits = decode_splits(rows, int(lens.max()) if rows else 0, threads)
         work = torch.empty(rows * splits * (heads * dim + 2 * heads), dtype=torch.float32)
         self.library.kiln_paged_decode(
-            DTYPES[q.dtype], q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            DTYPES[q.dtype], DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), work.data_ptr(), rows, heads,
             kv_heads, dim, block_size, tables.shape[1], splits, scale, threads,
         )  # fmt: skip
@@ -91,5 +92,5 @@ def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.kiln_paged_decode_isa.restype = ctypes.c_int
     library.kiln_paged_decode.restype = None
-    library.kiln_paged_decode.argtypes = [ctypes.c_int, *[ptr] * 7, *[i64] * 7, ctypes.c_float,
-                                          ctypes.c_int]  # fmt: skip
+    library.kiln_paged_decode.argtypes = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 7,
+                                          ctypes.c_float, ctypes.c_int]  # fmt: skip

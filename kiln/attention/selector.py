@@ -36,7 +36,9 @@ def select_backend(
     block_size: int,
     shape: AttentionShape,
     dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype | None = None,
 ) -> AttentionBackend:
+    """`dtype` is the model's, `kv_dtype` the cache's (None: the model's)."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown attention backend {name!r}; choose one of {BACKENDS}")
     if name == "auto":
@@ -56,7 +58,8 @@ def select_backend(
                 f"not on {device.type}. Remedy: --attention-backend auto"
             )
         kernel = "off" if name == "cpu-flash" else "auto"
-        return CpuPagedAttentionBackend(dtype, shape, CpuAttentionTuning(decode_kernel=kernel))
+        tuning = CpuAttentionTuning(decode_kernel=kernel)
+        return CpuPagedAttentionBackend(dtype, shape, tuning, kv_dtype or dtype)
     return _triton_backend(block_size, shape, device)
 
 

@@ -41,6 +41,17 @@ def _gather(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return flat.index_select(0, slots.view(-1)).view(*slots.shape, *flat.shape[1:])
 
 
+def stored_as(
+    k: torch.Tensor, v: torch.Tensor, cache_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys and values as the cache holds them (rounded to a narrower cache dtype,
+    kept in the model's): a chunk attends its own keys as every later step reads them, so a
+    prefix hit gives the same output as recomputing the prefix."""
+    if cache_dtype == k.dtype:
+        return k, v
+    return k.to(cache_dtype).to(k.dtype), v.to(cache_dtype).to(v.dtype)
+
+
 def gathered_decode(q, k_flat, v_flat, slots, bias, scale):
     """Decode rows over their keys gathered from the cache (`decode_gather_tensors`). The G
     query heads sharing a KV head ride as G query rows of one SDPA call: no KV expansion, and
@@ -50,8 +61,8 @@ def gathered_decode(q, k_flat, v_flat, slots, bias, scale):
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     slots = slots.view(n, -1)
-    keys = _gather(k_flat, slots).transpose(1, 2)  # [n, Hkv, L, D]
-    values = _gather(v_flat, slots).transpose(1, 2)
+    keys = _gather(k_flat, slots).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
+    values = _gather(v_flat, slots).transpose(1, 2).to(q.dtype)
     out = F.scaled_dot_product_attention(
         q.view(n, hkv, h // hkv, d), keys, values, attn_mask=bias.view(n, 1, 1, -1), scale=scale
     )
@@ -64,7 +75,7 @@ def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
     mask = None
     if ctx_len > 0:
         slots = _slots(block_table, seq_len, block_size)
-        k, v = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+        k, v = k_flat.index_select(0, slots).to(q.dtype), v_flat.index_select(0, slots).to(q.dtype)
         rows = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
     # 4-D, with a batch of one: the CPU's flash kernel takes only 4-D inputs; 3-D ones fall back
@@ -106,8 +117,9 @@ def torch_paged_attention(
         k, v = k[:n_tokens], v[:n_tokens]
     if slot_mapping.shape[0] != n_tokens:
         slot_mapping = slot_mapping[:n_tokens]
-    k_flat.index_copy_(0, slot_mapping, k)
-    v_flat.index_copy_(0, slot_mapping, v)
+    k, v = stored_as(k, v, k_cache.dtype)
+    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     if n_dec == q.shape[0]:

@@ -20,6 +20,7 @@ from kiln.attention.backend import (
     GraphSupport,
     MetadataBuilder,
 )
+from kiln.attention.torch_backend import stored_as
 from kiln.attention.triton_kernel import paged_attention_kernel
 from kiln.layers import gdn_triton  # noqa: F401 - registers the Gated DeltaNet core beside it
 
@@ -153,6 +154,7 @@ def triton_paged_attention(
     t, h, d = q.shape
     if t == 0:
         return
+    k, v = stored_as(k, v, k_cache.dtype)  # the chunk's own keys as the cache keeps them
     block_size, hkv = k_cache.shape[1], k_cache.shape[2]
     num_seq_slots = seq_slots(t, query_start_loc)
     shape = launch_shape(t, h, hkv, num_seq_slots, split_programs, segments)

@@ -27,6 +27,7 @@ from kiln.boot.prefill_weights import keep_dense_copies
 from kiln.boot.preview import (
     for_device,
     keyed_model,
+    kv_dtype,
     resolve_max_model_len,
     resolve_plan,
     select_attention,
@@ -94,7 +95,8 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
                                    trace_place(config, entry))  # fmt: skip
         capture = GraphCapture(runner)
         with phases.phase("measure_graph_memory"):
-            reserved = capture.measure(dtype) + measure_draft_graphs(draft, dtype)
+            kv = kv_dtype(config)
+            reserved = capture.measure(dtype, kv) + measure_draft_graphs(draft, dtype, kv)
         with phases.phase("allocate_kv_cache"):
             num_blocks = _allocate_kv_cache(config, source, capture, max_model_len, reserved,
                                             draft_bytes_per_block(draft, config))  # fmt: skip
@@ -117,12 +119,13 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
     boot.capture, boot.phases_s = capture.stats, dict(phases.durations)
     boot.boot_s = time.monotonic() - t0
     logger.info(
-        "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens",
+        "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens (%s)",
         boot.boot_s,
         ", ".join(f"{k.replace('_', ' ')} {v:.1f} s" for k, v in phases.durations.items()),
         source.config.architecture,
         num_blocks,
         config.cache.block_size,
+        str(kv_dtype(config)).removeprefix("torch."),
     )
     return engine
 
@@ -216,14 +219,14 @@ def _allocate_kv_cache(
 ) -> int:
     """The KV cache sized beside the measured graph memory; with a fixed KV budget, the
     capture ladder cut to the memory left instead."""
-    runner, dtype = capture.runner, torch_dtype(config)
+    runner, dtype, kv = capture.runner, torch_dtype(config), kv_dtype(config)
     # a hybrid's state entries beyond one slot per sequence: checkpoints, per-position states
     checkpoints = runner.states.num_checkpoints + runner.states.position_rows
     num_blocks = size_kv_cache(
         config.cache, source.config, dtype, runner.device, max_model_len,
-        config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block,
+        config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block, kv,
     )  # fmt: skip
-    runner.allocate_kv_cache(num_blocks, dtype)
+    runner.allocate_kv_cache(num_blocks, dtype, kv)
     if config.cache.kv_cache_memory is not None:
         capture.fit_beside_fixed_kv(available_memory(runner.device), config.strict_graphs)
     return num_blocks

@@ -86,7 +86,7 @@ class GraphCapture:
         self.stats = CaptureStats()
         self.estimate: GraphMemoryEstimate | None = None
 
-    def measure(self, dtype: torch.dtype) -> int:
+    def measure(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> int:
         """Capture every graph of the plan on a provisional two-block KV cache (capture batches
         are all padding: they read and write no KV), measure the memory they take and release
         it; the KV cache is then sized beside it. The whole ladder, not its largest size
@@ -96,7 +96,7 @@ class GraphCapture:
         gb = self.backend
         if gb is None or not gb.measures_memory:
             return 0
-        self.runner.allocate_kv_cache(2, dtype)
+        self.runner.allocate_kv_cache(2, dtype, kv_dtype)
         self._warm_up()
         before = gb.memory_in_use()
         self.capture_all()

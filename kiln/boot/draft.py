@@ -15,7 +15,7 @@ import torch
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
 from kiln.boot.kv_cache import kv_bytes_per_block
-from kiln.boot.preview import resolve_plan, select_attention, torch_dtype
+from kiln.boot.preview import kv_dtype, resolve_plan, select_attention, torch_dtype
 from kiln.config.engine import EngineConfig
 from kiln.cudagraphs.graph_backend import GraphBackend
 from kiln.errors import ConfigError
@@ -125,7 +125,7 @@ def build_draft_runner(
 def draft_bytes_per_block(draft: LoadedDraft | None, config: EngineConfig) -> int:
     if draft is None:
         return 0
-    return kv_bytes_per_block(draft.config, config.cache.block_size, torch_dtype(config))
+    return kv_bytes_per_block(draft.config, config.cache.block_size, kv_dtype(config))
 
 
 def finish_draft(
@@ -133,7 +133,7 @@ def finish_draft(
 ):
     """The draft runner's KV cache on the target's block count, and its proposer."""
     runner = draft.runner
-    runner.allocate_kv_cache(num_blocks, torch_dtype(config))
+    runner.allocate_kv_cache(num_blocks, torch_dtype(config), kv_dtype(config))
     generator = torch.Generator(runner.device).manual_seed(config.seed + 1)
     eos = runner.sampling.eos_token_ids
     if isinstance(draft.model, MTPHead):
@@ -142,9 +142,11 @@ def finish_draft(
     return DraftModelProposer(runner, config.scheduler.max_num_batched_tokens, eos, generator)
 
 
-def measure_draft_graphs(draft: LoadedDraft | None, dtype: torch.dtype) -> int:
+def measure_draft_graphs(
+    draft: LoadedDraft | None, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+) -> int:
     """The drafter's graph memory, measured as the target's is: reserved before KV sizing."""
-    return GraphCapture(draft.runner).measure(dtype) if draft is not None else 0
+    return GraphCapture(draft.runner).measure(dtype, kv_dtype) if draft is not None else 0
 
 
 def capture_draft_graphs(draft: LoadedDraft | None) -> None:

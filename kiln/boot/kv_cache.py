@@ -68,13 +68,15 @@ def size_kv_cache(
     graph_reserve: int = 0,
     state_checkpoints: int = 0,
     draft_bytes_per_block: int = 0,
+    kv_dtype: torch.dtype | None = None,
 ) -> int:
     """The number of KV blocks, or an error naming the remedy when they hold less than one
     context of `max_model_len` tokens. A hybrid model's state slots (one per sequence the
     scheduler may run) and prefix-cache checkpoints come out of the same budget first; a draft
-    model's cache of as many blocks shares the budget (`draft_bytes_per_block`)."""
+    model's cache of as many blocks shares the budget (`draft_bytes_per_block`). `dtype` is the
+    model's (the states'), `kv_dtype` the cache's (default the same)."""
     bs = cache.block_size
-    per_block = kv_bytes_per_block(model, bs, dtype) + draft_bytes_per_block
+    per_block = kv_bytes_per_block(model, bs, kv_dtype or dtype) + draft_bytes_per_block
     per_seq = -(-max_model_len // bs)
     states = state_bytes_per_sequence(model, dtype) * (max_num_seqs + state_checkpoints)
     reserve = graph_reserve + (states if cache.kv_cache_memory is None else 0)

@@ -36,6 +36,12 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
     return getattr(torch, DTYPES[config.dtype])
 
 
+def kv_dtype(config: EngineConfig) -> torch.dtype:
+    """The KV cache's element type: --kv-cache-dtype, or the model's (auto)."""
+    name = config.cache.kv_cache_dtype
+    return torch_dtype(config) if name == "auto" else getattr(torch, DTYPES[name])
+
+
 def resolve_device(config: EngineConfig) -> torch.device:
     if config.device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -65,8 +71,9 @@ def select_attention(
 ) -> AttentionBackend:
     shape = AttentionShape(model.num_heads, model.num_kv_heads, model.head_dim)
     return select_backend(
-        config.attention_backend, device, config.cache.block_size, shape, torch_dtype(config)
-    )
+        config.attention_backend, device, config.cache.block_size, shape, torch_dtype(config),
+        kv_dtype(config),
+    )  # fmt: skip
 
 
 def resolve_max_model_len(config: EngineConfig, model: ModelConfig) -> int:
@@ -151,4 +158,5 @@ def keyed_model(source: ModelSource, config: EngineConfig, attention: AttentionB
     guards under another)."""
     return {**source.config.to_dict(), "quantization": config.quantization,
             "prefill_weights": config.prefill_weights,
+            "kv_cache_dtype": str(kv_dtype(config)),
             "attention_backend": attention.name}  # fmt: skip

@@ -8,7 +8,7 @@ import argparse
 import torch
 
 from kiln.boot.builder import build_engine
-from kiln.boot.preview import EnginePreview, keyed_model, preview_engine
+from kiln.boot.preview import EnginePreview, keyed_model, kv_dtype, preview_engine
 from kiln.cli.engine_args import engine_kwargs
 from kiln.compile_cache.entry import CompileCacheEntry, entry_for_plan, is_sealed
 from kiln.config.engine import EngineConfig
@@ -119,7 +119,11 @@ def _boot_rows(engine: LLMEngine) -> list[tuple[str, str]]:
     return [
         *[("weights", f"{fmt}: {n} tensors, {b / 2**20:.1f} MiB") for fmt, n, b in summary],
         ("resident weights", f"{sum(b for _, _, b in summary) / 2**20:.1f} MiB"),
-        ("KV cache", f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens"),
+        (
+            "KV cache",
+            f"{st.num_blocks} blocks x {bs} tokens = {st.num_blocks * bs} tokens, "
+            f"{str(kv_dtype(engine.config)).removeprefix('torch.')}",
+        ),
         ("boot", _boot(engine.boot)),
         ("compile cache", _compile_cache(engine.boot.compile_cache)),
         ("torch.compile", compiled["summary"] if compiled else NOT_COMPILED),

@@ -73,6 +73,15 @@ class CacheConfig:
             float, "fraction of free memory for the KV cache (default 0.2 CPU, 0.85 CUDA)"
         ),
     )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "the KV cache's element type: auto (default: --dtype), float32, bfloat16 or "
+            "float16; bfloat16 under a float32 model halves the cache's memory and the bytes "
+            "each decode step reads, keys and values rounded to bf16 as they are written",
+        ),
+    )
     enable_prefix_caching: bool = field(
         default=True,
         metadata=option(
@@ -95,6 +104,11 @@ class CacheConfig:
             raise ConfigError(
                 f"state_checkpoints must be >= 1, got {self.state_checkpoints} (turn prefix "
                 "caching off with --no-enable-prefix-caching instead)"
+            )
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+            raise ConfigError(
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or one of "
+                f"{sorted(DTYPES)}"
             )
         if isinstance(self.kv_cache_memory, str):
             object.__setattr__(self, "kv_cache_memory", parse_bytes(self.kv_cache_memory))

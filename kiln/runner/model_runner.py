@@ -128,7 +128,11 @@ class ModelRunner:
             self.piecewise = PiecewiseGraphs(graph_backend)
             self.compile_backend.piecewise = self.piecewise
 
-    def allocate_kv_cache(self, num_blocks: int, dtype: torch.dtype) -> None:
+    def allocate_kv_cache(
+        self, num_blocks: int, dtype: torch.dtype, kv_dtype: torch.dtype | None = None
+    ) -> None:
+        """The paged KV cache in `kv_dtype` (default `dtype`, the model's) and the hybrid
+        models' state slots in `dtype`."""
         cfg, attention = self.model.config, self.model.attention_layers()
         shape = (num_blocks, self.buffers.block_size, cfg.num_kv_heads, cfg.head_dim)
         # One tensor per layer and per K/V, never views of one big buffer: a compiled graph that
@@ -138,8 +142,8 @@ class ModelRunner:
         # redirected), and zero-filling gigabytes would cost seconds at boot
         self.kv_caches = [
             (
-                torch.empty(shape, dtype=dtype, device=self.device),
-                torch.empty(shape, dtype=dtype, device=self.device),
+                torch.empty(shape, dtype=kv_dtype or dtype, device=self.device),
+                torch.empty(shape, dtype=kv_dtype or dtype, device=self.device),
             )
             for _ in attention
         ]

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -189,10 +190,19 @@ struct Shape {
   float scale;
 };
 
+// q . k for a query of type Q: a bf16 query on bf16 keys may use bf16 dot products; a float32
+// query (a float32 model over a bf16 cache) keeps every bit, the keys widened as they load
+template <typename Q, typename KV>
+inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t d) {
+  if constexpr (std::is_same_v<Q, uint16_t>) return dot(qf, qb, k, d);
+  (void)qb;
+  return dot_f32(qf, k, d);
+}
+
 // One request's query q (all heads) over its keys [t0, t1): unnormalised output acc [H, D],
-// running max m [H] and sum l [H].
-template <typename T>
-void attend_range(const T* q, const T* kc, const T* vc, const int32_t* table, int64_t t0,
+// running max m [H] and sum l [H]. Q is the query's type, KV the cache's (float32 or bf16).
+template <typename Q, typename KV>
+void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                   int64_t t1, const Shape& sh, float* acc, float* m, float* l) {
   const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, row_elems = sh.kv_heads * D;
   float qf[MAX_HEADS * 256];
@@ -201,7 +211,7 @@ void attend_range(const T* q, const T* kc, const T* vc, const int32_t* table, in
   int64_t rows[TILE];
   for (int64_t i = 0; i < H * D; ++i) {
     qf[i] = to_float(q[i]);
-    from_float(qb + i, qf[i]);  // exact: q is bf16 when the keys are
+    from_float(qb + i, qf[i]);  // exact where q is bf16; unused where q is float32
   }
   std::fill(m, m + H, NEG_INF);
   std::fill(l, l + H, 0.f);
@@ -211,7 +221,8 @@ void attend_range(const T* q, const T* kc, const T* vc, const int32_t* table, in
     tile_rows(table, t, n, sh.block_size, row_elems, rows);
     for (int64_t j = 0; j < n; ++j)
       for (int64_t i = 0; i < H; ++i)
-        s[i * TILE + j] = sh.scale * dot(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
+        s[i * TILE + j] =
+            sh.scale * query_dot<Q>(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);
@@ -248,8 +259,8 @@ void merge_ranges(const float* work, int64_t splits, const Shape& sh, T* out) {
   }
 }
 
-template <typename T>
-void decode(const T* q, const T* kc, const T* vc, const int32_t* tables, const int32_t* lens,
+template <typename T, typename KV>
+void decode(const T* q, const KV* kc, const KV* vc, const int32_t* tables, const int32_t* lens,
             T* out, float* work, int64_t rows, int64_t splits, const Shape& sh, int threads) {
   const int64_t H = sh.heads, D = sh.head_dim, item = H * D + 2 * H;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -283,21 +294,27 @@ int kiln_paged_decode_isa() {
 }
 
 // q, out [rows, heads, head_dim]; caches [slots, kv_heads, head_dim]; tables [rows, width];
-// lens [rows]; work: rows * splits * (heads * head_dim + 2 * heads) floats. dtype 0 float32,
-// 1 bfloat16. Requires heads <= 64 and head_dim <= 256 (checked by the caller).
-void kiln_paged_decode(int dtype, const void* q, const void* k_cache, const void* v_cache,
-                       const int32_t* tables, const int32_t* lens, void* out, float* work,
-                       int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
-                       int64_t block_size, int64_t table_width, int64_t splits, float scale,
-                       int threads) {
+// lens [rows]; work: rows * splits * (heads * head_dim + 2 * heads) floats. dtype (q and out)
+// and kv_dtype (the caches): 0 float32, 1 bfloat16. Requires heads <= 64 and head_dim <= 256
+// (checked by the caller).
+void kiln_paged_decode(int dtype, int kv_dtype, const void* q, const void* k_cache,
+                       const void* v_cache, const int32_t* tables, const int32_t* lens, void* out,
+                       float* work, int64_t rows, int64_t heads, int64_t kv_heads,
+                       int64_t head_dim, int64_t block_size, int64_t table_width, int64_t splits,
+                       float scale, int threads) {
   const Shape sh{heads, kv_heads, head_dim, block_size, table_width, scale};
+  const auto run = [&](const auto* typed_q, auto* typed_out) {
+    if (kv_dtype == 0)
+      decode(typed_q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+             tables, lens, typed_out, work, rows, splits, sh, threads);
+    else
+      decode(typed_q, static_cast<const uint16_t*>(k_cache),
+             static_cast<const uint16_t*>(v_cache), tables, lens, typed_out, work, rows, splits,
+             sh, threads);
+  };
   if (dtype == 0)
-    decode(static_cast<const float*>(q), static_cast<const float*>(k_cache),
-           static_cast<const float*>(v_cache), tables, lens, static_cast<float*>(out), work, rows,
-           splits, sh, threads);
+    run(static_cast<const float*>(q), static_cast<float*>(out));
   else
-    decode(static_cast<const uint16_t*>(q), static_cast<const uint16_t*>(k_cache),
-           static_cast<const uint16_t*>(v_cache), tables, lens, static_cast<uint16_t*>(out), work,
-           rows, splits, sh, threads);
+    run(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out));
 }
 }
