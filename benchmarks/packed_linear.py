@@ -20,16 +20,10 @@ import time
 
 import torch
 
+from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_dequantize_t
 from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
-from kiln.layers.packed import (
-    Int4Codes,
-    PackedInt4,
-    QuantizedTensor,
-    cpu_block_n,
-    cpu_dequantize_t,
-    split_float32,
-)
+from kiln.layers.packed import Int4Codes, PackedInt4, QuantizedTensor, split_float32
 
 # (name, out features, in features) of SmolLM2-135M's linears
 SHAPES = [

@@ -17,7 +17,14 @@ KILN = ROOT / "kiln"
 
 # lowest first: a module may import its own layer (without cycles) and the ones below
 LAYERS = [
-    {"kiln.errors", "kiln.paths", "kiln.default_model", "kiln.sampling_params", "kiln.outputs"},
+    {
+        "kiln.errors",
+        "kiln.paths",
+        "kiln.native",
+        "kiln.default_model",
+        "kiln.sampling_params",
+        "kiln.outputs",
+    },
     {"kiln.config"},
     {"kiln.layers", "kiln.attention", "kiln.models", "kiln.loader"},
     {"kiln.compiler", "kiln.cudagraphs", "kiln.compile_cache"},

@@ -79,7 +79,7 @@ def test_packed_matmul_matches_dequantized(kind, rows, dtype, n):
 def test_direct_packing_is_atens_converter(n):
     """kiln writes the CPU layout itself in uint8 (10x faster at load): byte for byte what aten's
     converter makes from int32 codes on this machine."""
-    from kiln.layers.packed import cpu_block_n, cpu_pack
+    from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_pack
 
     codes = torch.randint(0, 16, (n, 512), dtype=torch.uint8)
     expected = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 2)
@@ -198,8 +198,8 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     by hand: rows 1, 2, 3 and 5 (its register blocks of rows and their remainder), and the
     second plane of Q8_0 added into the first's output."""
     from kiln import native
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
     from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
-    from kiln.layers.packed import cpu_dequantize_t, cpu_pack
 
     cpu_flags = native._cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())

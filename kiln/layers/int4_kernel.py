@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
 from kiln.native import FLAGS, build_failure, built_library
 
 logger = logging.getLogger(__name__)
@@ -90,8 +91,6 @@ def self_check_error(kernel: Int4MatmulKernel) -> float:
     """The kernel's largest error on a small random matrix in both CPU layouts (blocks of 32
     and 64), relative to the largest float64 product by hand: a vector path that misreads the
     layout on some CPU is found at boot, not in a model's output."""
-    from kiln.layers.packed import cpu_dequantize_t, cpu_pack  # packed.py imports this module
-
     g = torch.Generator().manual_seed(0)
     n, k, group = 128, 256, 32
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)

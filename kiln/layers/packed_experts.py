@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kiln.layers.cpu_int4_layout import cpu_dequantize_t
 from kiln.layers.expert_routing import experts_loop
-from kiln.layers.packed import QuantizedTensor, cat_rows, cpu_dequantize_t, int4_matmul, pack_plane
+from kiln.layers.packed import QuantizedTensor, cat_rows, int4_matmul, pack_plane
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 
 
