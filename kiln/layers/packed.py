@@ -10,7 +10,7 @@ into a high plane (hi + 8, scale 16d) and a low one (lo, scale d, zero 8d), whos
 
 On the CPU the rows of a step go to kiln's own int4 kernel (kiln/layers/int4_kernel.py, built
 at first use where a C++ compiler exists), which reads the same packed bytes as aten's and takes
-float32 rows as they are: 3-5x aten's kernel on float32 rows and 1.3-1.9x on bf16 rows on an
+float32 rows as they are: 2.4-4.3x aten's float32 path and 1.3-2.5x its bf16 kernel on an
 AVX2 CPU (docs/performance.md, "kiln's int4 kernel"). Without it, aten's kernel takes bf16
 rows, so a float32 model's rows go in split in two (the bf16 value and the bf16 of the
 remainder, products added in float32): 16 bits of each activation. Either is a matrix-vector
