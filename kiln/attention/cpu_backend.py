@@ -36,7 +36,7 @@ from kiln.attention.backend import (
     MetadataBuilder,
 )
 from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
-from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode, stored_as
+from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode, write_kv
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -153,9 +153,7 @@ def cpu_paged_attention(
     starts = query_start_loc.tolist()
     n_tokens = starts[-1]
     k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
-    k, v = stored_as(k, v, k_cache.dtype)
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k, v = write_kv(k_flat, v_flat, slot_mapping, k, v)
     n_kernel = kernel_lens.shape[0]
     if n_kernel:
         kernel = paged_decode_kernel()

@@ -52,6 +52,25 @@ def stored_as(
     return k.to(cache_dtype).to(k.dtype), v.to(cache_dtype).to(v.dtype)
 
 
+def write_kv(
+    k_flat: torch.Tensor,
+    v_flat: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """This step's keys and values into the caches at their slots; returns them as stored, in
+    the model's dtype (`stored_as`, converted once)."""
+    if k_flat.dtype == k.dtype:
+        k_flat.index_copy_(0, slot_mapping, k)
+        v_flat.index_copy_(0, slot_mapping, v)
+        return k, v
+    k_stored, v_stored = k.to(k_flat.dtype), v.to(v_flat.dtype)
+    k_flat.index_copy_(0, slot_mapping, k_stored)
+    v_flat.index_copy_(0, slot_mapping, v_stored)
+    return k_stored.to(k.dtype), v_stored.to(v.dtype)
+
+
 def gathered_decode(q, k_flat, v_flat, slots, bias, scale):
     """Decode rows over their keys gathered from the cache (`decode_gather_tensors`). The G
     query heads sharing a KV head ride as G query rows of one SDPA call: no KV expansion, and
@@ -117,9 +136,7 @@ def torch_paged_attention(
         k, v = k[:n_tokens], v[:n_tokens]
     if slot_mapping.shape[0] != n_tokens:
         slot_mapping = slot_mapping[:n_tokens]
-    k, v = stored_as(k, v, k_cache.dtype)
-    k_flat.index_copy_(0, slot_mapping, k.to(k_cache.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+    k, v = write_kv(k_flat, v_flat, slot_mapping, k, v)
     q_lens = [b - a for a, b in itertools.pairwise(starts)]
     n_dec = next((i for i, n in enumerate(q_lens) if n != 1), len(q_lens))
     if n_dec == q.shape[0]:
