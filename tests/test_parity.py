@@ -49,7 +49,7 @@ def _check(hf_model, prompts, finals, logits):
         generated = out.outputs[0].token_ids
         assert len(generated) == GEN
         ref = _hf_logits(hf_model, prompt, generated)
-        ours = torch.stack(logits[rid])
+        ours = torch.stack(logits[rid]).cpu()
         scale = ref.abs().max().item()
         torch.testing.assert_close(ours, ref, rtol=1e-4, atol=1e-4 * scale)
         assert generated == ref.argmax(-1).tolist()

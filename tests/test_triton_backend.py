@@ -250,9 +250,9 @@ def test_backend_selection_errors():
     assert select_backend("torch", cpu, 16, shape).name == "torch_paged"
     with pytest.raises(ConfigError, match=r"runs on the CPU only.*--attention-backend auto"):
         select_backend("cpu", torch.device("cuda"), 16, shape)
-    assert select_backend("triton", cpu, 16, shape).graph_support.value == "always"
+    assert select_backend("triton", DEVICE, 16, shape).graph_support.value == "always"
     with pytest.raises(ConfigError, match="power-of-two --block-size"):
-        select_backend("triton", cpu, 12, shape)
+        select_backend("triton", DEVICE, 12, shape)
     with pytest.raises(ConfigError, match="unknown attention backend"):
         select_backend("flash", cpu, 16, shape)
     # compiled on a GPU (the GPU machine's triton 3.6 too), interpreted on the CPU from 3.9 on

@@ -45,10 +45,27 @@ def experts_grouped(x, gate_up, down, ids, weights) -> torch.Tensor:
     return combine(x, out, tokens, order, weights)
 
 
+def experts_by_triton(x, gate_up, down, ids, weights) -> torch.Tensor:
+    """The same in kiln's Triton kernel (kiln/layers/moe_triton.py): capturable in every dtype."""
+    from kiln.layers.moe_triton import experts_triton  # triton: a CUDA dependency
+
+    tokens, order, counts = sorted_by_expert(ids, gate_up.shape[0])
+    out = experts_triton(x[tokens], gate_up, down, counts)
+    return combine(x, out, tokens, order, weights)
+
+
+def grouped_mm_captures(x: torch.Tensor) -> bool:
+    """Whether `torch._grouped_mm` runs on the device for x (bf16 from Hopper on); elsewhere its
+    fallback brings the group ends to the host, which a CUDA graph cannot capture."""
+    return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device)[0] >= 9
+
+
 def _moe_experts(x, gate_up, down, ids, weights) -> torch.Tensor:
     if x.device.type == "cpu":
         return experts_by_loop(x, gate_up, down, ids, weights)
-    return experts_grouped(x, gate_up, down, ids, weights)
+    if grouped_mm_captures(x):
+        return experts_grouped(x, gate_up, down, ids, weights)
+    return experts_by_triton(x, gate_up, down, ids, weights)
 
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")

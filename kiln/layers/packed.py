@@ -224,7 +224,7 @@ def split_float32(rows: torch.Tensor) -> torch.Tensor:
     by rounding to bf16 and back: Inductor keeps bf16 intermediates in float32, and would
     make that round trip a no-op and the rest zero."""
     high = (rows.view(torch.int32) & -65536).view(torch.float32)
-    return torch.cat([high, rows - high]).to(torch.bfloat16)
+    return torch.stack([high, rows - high]).to(torch.bfloat16).flatten(0, 1)
 
 
 def _tinygemm(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
@@ -236,7 +236,9 @@ def _tinygemm(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
         torch.ops.aten._weight_int4pack_mm(high, p, group_size, sz).float()
         for p, sz in zip(packed, scales_zeros)
     ))  # fmt: skip
-    return y[: rows.shape[0]] + y[rows.shape[0] :] if split else y
+    # a view and a sum, not two slices: Inductor (torch 2.11) fails to lower a slice whose end
+    # is the step's unbacked row count (KeyError 'unbacked_bindings')
+    return y.unflatten(0, (2, -1)).sum(0) if split else y
 
 
 def int4_matmul(
