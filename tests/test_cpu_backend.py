@@ -279,10 +279,29 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
     its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops; float32,
     bf16, and float32 queries over a bf16 cache (--kv-cache-dtype bfloat16)."""
+    heads, kv_heads, dim = shape
+    kernel = _kernel_build(build)
+    mixed = dtype == "float32 over bf16"  # a float32 model's queries over a bf16 cache
+    dtype = torch.float32 if mixed else dtype
+    caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
+    caches = caches.bfloat16() if mixed else caches
+    layout = _decodes(layout)  # this step's keys and values written as the op writes them:
+    written = torch.stack([k[:4], v[:4]]).to(caches.dtype)
+    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4], written)
+    out = torch.full((4, heads, dim), float("nan"), dtype=dtype)
+    tables, lens = layout.block_tables[:4].int().contiguous(), layout.seq_lens[:4].int()
+    kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)
+    want = _by_hand(caches, q[:4], layout, FIRSTS[:4], [1] * 4)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(out.view(4, -1).double(), want, rtol=tol, atol=tol)
+
+
+def _kernel_build(build: str):
+    """The decode kernel built as `build` names (skipped where this CPU cannot run it), checked
+    to report the ISA it was built for."""
     from kiln import native
     from kiln.attention import cpu_kernel
 
-    heads, kv_heads, dim = shape
     cpu_flags = native._cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())
     if any(flag not in cpu_flags for flag in needs):
@@ -297,19 +316,43 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
         extra, isa = builds[build]
         kernel = cpu_kernel.load_paged_decode((*generic, *extra))
     assert kernel is not None and kernel.isa == isa
-    mixed = dtype == "float32 over bf16"  # a float32 model's queries over a bf16 cache
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 6, 16)], ids=str)
+@pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
+def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
+    """Rows of 1,100, 257, 64 and 9 keys over fragmented blocks of 16: many tiles (the online
+    softmax's rescaling), rows split into ranges and merged, keys scored 8 at a time with their
+    remainder, and query-head groups of 3, 8 (two register groups of 4), 6 (4 + 2) and 1,
+    against float64 by hand."""
+    heads, kv_heads, dim = shape
+    kernel = _kernel_build(build)
+    mixed = dtype == "float32 over bf16"
     dtype = torch.float32 if mixed else dtype
-    caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
-    caches = caches.bfloat16() if mixed else caches
-    layout = _decodes(layout)  # this step's keys and values written as the op writes them:
-    written = torch.stack([k[:4], v[:4]]).to(caches.dtype)
-    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4], written)
-    out = torch.full((4, heads, dim), float("nan"), dtype=dtype)
-    tables, lens = layout.block_tables[:4].int().contiguous(), layout.seq_lens[:4].int()
-    kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)
-    want = _by_hand(caches, q[:4], layout, FIRSTS[:4], [1] * 4)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
-    torch.testing.assert_close(out.view(4, -1).double(), want, rtol=tol, atol=tol)
+    g = torch.Generator().manual_seed(3)
+    lens, block_size = [1100, 257, 64, 9], 16
+    need = [-(-n // block_size) for n in lens]
+    order = torch.randperm(sum(need), generator=g).int()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for row, table in enumerate(order.split(need)):
+        tables[row, : len(table)] = table
+    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
+    caches = caches.to(torch.bfloat16 if mixed else dtype)
+    q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    kernel.run(q, caches[0], caches[1], tables, torch.tensor(lens, dtype=torch.int32), out,
+               dim**-0.5)  # fmt: skip
+    for row, n in enumerate(lens):
+        pos = torch.arange(n)
+        slots = tables[row, pos // block_size].long() * block_size + pos % block_size
+        keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
+        keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[row].double(), keys) * dim**-0.5, -1)
+        want = torch.einsum("hk,khd->hd", p, values)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
 
 
 def test_an_unknown_decode_kernel_choice_is_refused():

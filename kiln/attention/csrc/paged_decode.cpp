@@ -27,6 +27,11 @@ namespace {
 constexpr int64_t TILE = 32;       // keys scored per softmax update
 constexpr int64_t MAX_HEADS = 64;  // query heads x head dim bounded by the caller
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+#if defined(__AVX512BF16__)
+constexpr bool BF16_DOTS = true;
+#else
+constexpr bool BF16_DOTS = false;
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
@@ -65,6 +70,10 @@ inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vpow2(vf p, vf fi) { return _mm512_scalef_ps(p, fi); }  // p * 2^fi
 inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+inline __m256 vhalves(vf x) {  // the 16 lanes folded to 8
+  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
+  return _mm256_add_ps(_mm512_castps512_ps256(x), high);
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KILN_SIMD 1
 constexpr int64_t W = 8;
@@ -90,6 +99,21 @@ inline vf vpow2(vf p, vf fi) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline vf vfloor(vf x) { return _mm256_floor_ps(x); }
+inline __m256 vhalves(vf x) { return x; }
+#endif
+
+#if defined(KILN_SIMD)
+// The 8 vectors' sums as one vector of 8 (a transposing add tree: one horizontal reduction
+// for 8 keys, where summing each alone costs 8)
+inline __m256 vsum8(const vf* a) {
+  const __m256 s01 = _mm256_hadd_ps(vhalves(a[0]), vhalves(a[1]));
+  const __m256 s23 = _mm256_hadd_ps(vhalves(a[2]), vhalves(a[3]));
+  const __m256 s45 = _mm256_hadd_ps(vhalves(a[4]), vhalves(a[5]));
+  const __m256 s67 = _mm256_hadd_ps(vhalves(a[6]), vhalves(a[7]));
+  const __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);
+  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
+                       _mm256_permute2f128_ps(low, high, 0x31));
+}
 #endif
 
 // q . k over head_dim d, in float32 (keys widened as they are loaded)
@@ -199,6 +223,87 @@ inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t
   return dot_f32(qf, k, d);
 }
 
+// s[i * TILE + j] = scale * q_i . k_j for every query head i and the tile's n keys (key j's
+// heads at kc + rows[j]). With vectors, 8 keys at a time: 8 running sums reduced together,
+// where one key at a time pays a horizontal reduction per key and head (most of the kernel's
+// time on AVX2); the 8 keys' rows are read in order and stay in L1 while every head scores them.
+template <typename Q, typename KV>
+inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const int64_t* rows,
+                       int64_t n, const Shape& sh, float* s) {
+  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads;
+  int64_t j = 0;
+#if defined(KILN_SIMD)
+  // bf16 queries over bf16 keys keep AVX512-BF16's pair products where the CPU has them
+  constexpr bool bf16_dots = BF16_DOTS && std::is_same_v<Q, uint16_t> && std::is_same_v<KV, uint16_t>;
+  if (!bf16_dots && D % W == 0) {
+    const __m256 scale = _mm256_set1_ps(sh.scale);
+    for (; j + 8 <= n; j += 8)
+      for (int64_t i = 0; i < H; ++i) {
+        const KV* k = kc + (i / G) * D;
+        vf sum[8];
+        for (int b = 0; b < 8; ++b) sum[b] = vzero();
+        for (int64_t c = 0; c < D; c += W) {
+          const vf qv = vload(qf + i * D + c);
+          for (int b = 0; b < 8; ++b) sum[b] = vfmadd(qv, vload(k + rows[j + b] + c), sum[b]);
+        }
+        _mm256_storeu_ps(s + i * TILE + j, _mm256_mul_ps(vsum8(sum), scale));
+      }
+  }
+#endif
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < H; ++i)
+      s[i * TILE + j] =
+          sh.scale * query_dot<Q>(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
+}
+
+#if defined(KILN_SIMD)
+// acc[g] += sum_b p[g * TILE + b] * v[b] for GS query heads sharing the value rows v of 8 keys:
+// the sums stay in registers over the 8 keys (loaded and stored once, not once per key)
+template <int GS, typename KV>
+inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) {
+  for (int64_t c = 0; c < d; c += W) {
+    vf a[GS];
+    for (int g = 0; g < GS; ++g) a[g] = vload(acc + g * d + c);
+    for (int b = 0; b < 8; ++b) {
+      const vf vv = vload(v[b] + c);
+      for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b]), vv, a[g]);
+    }
+    for (int g = 0; g < GS; ++g) vstore(acc + g * d + c, a[g]);
+  }
+}
+#endif
+
+// acc[i] += sum_j p[i * TILE + j] * v_j (v_j the value row of head i's KV head) over the tile's
+// n keys, 8 keys at a time with vectors, heads in register groups of up to 4
+template <typename KV>
+inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* rows, int64_t n,
+                     const Shape& sh) {
+  const int64_t D = sh.head_dim, G = sh.heads / sh.kv_heads;
+  int64_t j = 0;
+#if defined(KILN_SIMD)
+  if (D % W == 0) {
+    for (; j + 8 <= n; j += 8)
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const KV* v[8];
+        for (int b = 0; b < 8; ++b) v[b] = vc + rows[j + b] + h * D;
+        for (int64_t g = 0; g < G; g += 4) {
+          const float* pg = p + (h * G + g) * TILE + j;
+          float* ag = acc + (h * G + g) * D;
+          switch (std::min<int64_t>(4, G - g)) {
+            case 4: add_keys<4>(pg, ag, v, D); break;
+            case 3: add_keys<3>(pg, ag, v, D); break;
+            case 2: add_keys<2>(pg, ag, v, D); break;
+            default: add_keys<1>(pg, ag, v, D); break;
+          }
+        }
+      }
+  }
+#endif
+  for (; j < n; ++j)
+    for (int64_t h = 0; h < sh.kv_heads; ++h)
+      add_weighted(p + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * D, G, D);
+}
+
 // One request's query q (all heads) over its keys [t0, t1): unnormalised output acc [H, D],
 // running max m [H] and sum l [H]. Q is the query's type, KV the cache's (float32 or bf16).
 template <typename Q, typename KV>
@@ -219,10 +324,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
   for (int64_t t = t0; t < t1; t += TILE) {
     const int64_t n = std::min(TILE, t1 - t);
     tile_rows(table, t, n, sh.block_size, row_elems, rows);
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t i = 0; i < H; ++i)
-        s[i * TILE + j] =
-            sh.scale * query_dot<Q>(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
+    score_tile<Q>(qf, qb, kc, rows, n, sh, s);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);
@@ -232,9 +334,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
       if (correction != 1.f)
         for (int64_t k = 0; k < D; ++k) acc[i * D + k] *= correction;
     }
-    for (int64_t j = 0; j < n; ++j)
-      for (int64_t h = 0; h < sh.kv_heads; ++h)
-        add_weighted(s + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * D, G, D);
+    add_tile(s, acc, vc, rows, n, sh);
   }
 }
 
