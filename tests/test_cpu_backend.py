@@ -379,3 +379,15 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
         assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX")
     fp16 = select_backend("cpu", cpu, BS, shape, torch.float16)
     assert "not for this dtype or head shape" in fp16.describe()
+
+
+def test_the_kernel_a_b_benchmark_times_two_builds_on_the_same_inputs():
+    """benchmarks/decode_kernel_ab.py loads a kernel per source and runs both on one batch: two
+    builds of one source give the same output bit for bit."""
+    from kiln.attention import cpu_kernel
+    from tests.helpers import load_benchmark
+
+    ab = load_benchmark("decode_kernel_ab")
+    kernels = [ab.load(cpu_kernel.SOURCE) for _ in range(2)]
+    ms, diff = ab.compare(kernels, (9, 3, 64), ab.DTYPES["f32/bf16"], 2, 40, repeats=1)
+    assert diff == 0.0 and len(ms) == 2 and all(t > 0 for t in ms)

@@ -1,0 +1,81 @@
+"""The CPU decode-attention kernel built from two sources, side by side on the same inputs: a
+kernel change measured against the version before it in one process, calls interleaved so the
+machine's drift falls on both alike. The op alone (`kernel.run`, no cache write, no metadata),
+median of the timed calls, and the largest difference between the two outputs.
+
+    git show HEAD~1:kiln/attention/csrc/paged_decode.cpp > /tmp/before.cpp
+    python benchmarks/decode_kernel_ab.py /tmp/before.cpp kiln/attention/csrc/paged_decode.cpp
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --repeats 30"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from kiln import native
+from kiln.attention import cpu_kernel
+
+SHAPES = {"smollm2": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # heads, KV heads, head dim
+CASES = [(1, 1024), (1, 7000), (1, 16384), (16, 512), (64, 512), (4, 4096)]  # rows, context
+DTYPES = {  # (queries, cache)
+    "f32": (torch.float32, torch.float32),
+    "bf16": (torch.bfloat16, torch.bfloat16),
+    "f32/bf16": (torch.float32, torch.bfloat16),
+}
+BLOCK = 16
+
+
+def load(source: Path) -> cpu_kernel.PagedDecodeKernel:
+    library = ctypes.CDLL(str(native.built_library(source, native.FLAGS)))
+    cpu_kernel._declare(library)
+    return cpu_kernel.PagedDecodeKernel(library, library.kiln_paged_decode_isa())
+
+
+def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int):
+    """(ms of each kernel, max |difference|) on one random batch, each row's blocks in order."""
+    heads, kv_heads, dim = shape
+    blocks = rows * -(-context // BLOCK) + 1
+    k_cache = torch.randn(blocks, BLOCK, kv_heads, dim).to(dtypes[1])
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(1, blocks, dtype=torch.int32).view(rows, -1).contiguous()
+    lens = torch.full((rows,), context, dtype=torch.int32)
+    q = torch.randn(rows, heads, dim).to(dtypes[0])
+    outs = [torch.empty_like(q) for _ in kernels]
+    times: list[list[float]] = [[] for _ in kernels]
+    for _ in range(repeats + 2):
+        for kernel, out, spent in zip(kernels, outs, times):
+            t0 = time.perf_counter()
+            kernel.run(q, k_cache, v_cache, tables, lens, out, dim**-0.5)
+            spent.append(time.perf_counter() - t0)
+    ms = [statistics.median(t[2:]) * 1e3 for t in times]
+    return ms, (outs[0].float() - outs[1].float()).abs().max().item()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path)
+    parser.add_argument("after", type=Path)
+    parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
+    parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    kernels = [load(args.before), load(args.after)]
+    torch.manual_seed(0)
+    print("| shape | q / cache | rows x context | before ms | after ms | speed-up | max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for name in args.shapes:
+        for kind in args.dtypes:
+            for rows, context in CASES:
+                (a, b), diff = compare(kernels, SHAPES[name], DTYPES[kind], rows, context,
+                                       args.repeats)  # fmt: skip
+                print(f"| {name} | {kind} | {rows} x {context} | {a:.3f} | {b:.3f} | "
+                      f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
