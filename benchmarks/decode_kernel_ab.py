@@ -1,11 +1,13 @@
 """The CPU decode-attention kernel built from two sources, side by side on the same inputs: a
 kernel change measured against the version before it in one process, calls interleaved so the
 machine's drift falls on both alike. The op alone (`kernel.run`, no cache write, no metadata),
-median of the timed calls, and the largest difference between the two outputs.
+median of the timed calls per layer, and the largest difference between the two outputs.
+`--layers N` gives every call its own layer's cache, N of them in turn, as a decode step reads
+them: the context then comes from memory, where one layer's cache alone may sit in the L3.
 
     git show HEAD~1:kiln/attention/csrc/paged_decode.cpp > /tmp/before.cpp
     python benchmarks/decode_kernel_ab.py /tmp/before.cpp kiln/attention/csrc/paged_decode.cpp
-    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --repeats 30"""
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30"""
 
 from __future__ import annotations
 
@@ -36,12 +38,12 @@ def load(source: Path) -> cpu_kernel.PagedDecodeKernel:
     return cpu_kernel.PagedDecodeKernel(library, library.kiln_paged_decode_isa())
 
 
-def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int):
-    """(ms of each kernel, max |difference|) on one random batch, each row's blocks in order."""
+def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1):
+    """(ms per layer of each kernel, max |difference|) on one random batch, each row's blocks
+    in order, over `layers` caches taken in turn."""
     heads, kv_heads, dim = shape
     blocks = rows * -(-context // BLOCK) + 1
-    k_cache = torch.randn(blocks, BLOCK, kv_heads, dim).to(dtypes[1])
-    v_cache = torch.randn_like(k_cache)
+    caches = [torch.randn(2, blocks, BLOCK, kv_heads, dim).to(dtypes[1]) for _ in range(layers)]
     tables = torch.arange(1, blocks, dtype=torch.int32).view(rows, -1).contiguous()
     lens = torch.full((rows,), context, dtype=torch.int32)
     q = torch.randn(rows, heads, dim).to(dtypes[0])
@@ -50,8 +52,9 @@ def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int):
     for _ in range(repeats + 2):
         for kernel, out, spent in zip(kernels, outs, times):
             t0 = time.perf_counter()
-            kernel.run(q, k_cache, v_cache, tables, lens, out, dim**-0.5)
-            spent.append(time.perf_counter() - t0)
+            for cache in caches:
+                kernel.run(q, cache[0], cache[1], tables, lens, out, dim**-0.5)
+            spent.append((time.perf_counter() - t0) / layers)
     ms = [statistics.median(t[2:]) * 1e3 for t in times]
     return ms, (outs[0].float() - outs[1].float()).abs().max().item()
 
@@ -63,16 +66,19 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=SHAPES, default=list(SHAPES))
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--layers", type=int, default=1, help="caches read in turn (cold)")
+    parser.add_argument("--cases", nargs="+", help="ROWSxCONTEXT, e.g. 1x7000 64x512")
     args = parser.parse_args()
     kernels = [load(args.before), load(args.after)]
+    cases = [tuple(map(int, c.split("x"))) for c in args.cases] if args.cases else CASES
     torch.manual_seed(0)
     print("| shape | q / cache | rows x context | before ms | after ms | speed-up | max diff |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for name in args.shapes:
         for kind in args.dtypes:
-            for rows, context in CASES:
+            for rows, context in cases:
                 (a, b), diff = compare(kernels, SHAPES[name], DTYPES[kind], rows, context,
-                                       args.repeats)  # fmt: skip
+                                       args.repeats, args.layers)  # fmt: skip
                 print(f"| {name} | {kind} | {rows} x {context} | {a:.3f} | {b:.3f} | "
                       f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
 

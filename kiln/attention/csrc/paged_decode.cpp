@@ -209,6 +209,18 @@ inline void tile_rows(const int32_t* table, int64_t t, int64_t n, int64_t block_
   }
 }
 
+// Asks for the n cache rows (row_elems elements from each offset in rows) to be brought into
+// the cache: the value loop reads 8 rows side by side, a pattern the hardware prefetchers follow
+// less well than one row after another (from memory it waited on every block without this).
+template <typename KV>
+inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t n, int64_t row_elems) {
+  const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(base + rows[j]);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 3);
+  }
+}
+
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size, table_width;
   float scale;
@@ -224,9 +236,10 @@ inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t
 }
 
 // s[i * TILE + j] = scale * q_i . k_j for every query head i and the tile's n keys (key j's
-// heads at kc + rows[j]). With vectors, 8 keys at a time: 8 running sums reduced together,
-// where one key at a time pays a horizontal reduction per key and head (most of the kernel's
-// time on AVX2); the 8 keys' rows are read in order and stay in L1 while every head scores them.
+// heads at kc + rows[j]). With vectors, keys go in blocks of 8: each key row is read whole and in
+// order (what the hardware prefetchers stream from memory), each head's products left unreduced
+// in `part`, and one transposing add tree then reduces a head's 8 keys together, where reducing
+// every key and head alone was most of the kernel's time on AVX2.
 template <typename Q, typename KV>
 inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const int64_t* rows,
                        int64_t n, const Shape& sh, float* s) {
@@ -237,17 +250,29 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
   constexpr bool bf16_dots = BF16_DOTS && std::is_same_v<Q, uint16_t> && std::is_same_v<KV, uint16_t>;
   if (!bf16_dots && D % W == 0) {
     const __m256 scale = _mm256_set1_ps(sh.scale);
-    for (; j + 8 <= n; j += 8)
-      for (int64_t i = 0; i < H; ++i) {
-        const KV* k = kc + (i / G) * D;
-        vf sum[8];
-        for (int b = 0; b < 8; ++b) sum[b] = vzero();
-        for (int64_t c = 0; c < D; c += W) {
-          const vf qv = vload(qf + i * D + c);
-          for (int b = 0; b < 8; ++b) sum[b] = vfmadd(qv, vload(k + rows[j + b] + c), sum[b]);
+    alignas(64) float part[MAX_HEADS * 8 * W];  // each head's 8 unreduced sums
+    for (; j + 8 <= n; j += 8) {
+      for (int b = 0; b < 8; ++b) {  // one key row after another, every head of it
+        const KV* row = kc + rows[j + b];
+        for (int64_t i = 0; i < H; ++i) {
+          const KV* k = row + (i / G) * D;
+          const float* qi = qf + i * D;
+          vf a0 = vzero(), a1 = vzero();
+          int64_t c = 0;
+          for (; c + 2 * W <= D; c += 2 * W) {
+            a0 = vfmadd(vload(qi + c), vload(k + c), a0);
+            a1 = vfmadd(vload(qi + c + W), vload(k + c + W), a1);
+          }
+          if (c < D) a0 = vfmadd(vload(qi + c), vload(k + c), a0);
+          vstore(part + (i * 8 + b) * W, a0 + a1);
         }
+      }
+      for (int64_t i = 0; i < H; ++i) {
+        vf sum[8];
+        for (int b = 0; b < 8; ++b) sum[b] = vload(part + (i * 8 + b) * W);
         _mm256_storeu_ps(s + i * TILE + j, _mm256_mul_ps(vsum8(sum), scale));
       }
+    }
   }
 #endif
   for (; j < n; ++j)
@@ -274,15 +299,18 @@ inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) 
 #endif
 
 // acc[i] += sum_j p[i * TILE + j] * v_j (v_j the value row of head i's KV head) over the tile's
-// n keys, 8 keys at a time with vectors, heads in register groups of up to 4
+// n keys. With vectors and a bf16 cache, 8 keys at a time, heads in register groups of up to 4,
+// the next 8 rows prefetched; float32 rows (twice as long) one key at a time, as that streamed
+// faster from memory (benchmarks/decode_kernel_ab.py --layers 30).
 template <typename KV>
 inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* rows, int64_t n,
-                     const Shape& sh) {
+                     int64_t known, const Shape& sh) {
   const int64_t D = sh.head_dim, G = sh.heads / sh.kv_heads;
   int64_t j = 0;
 #if defined(KILN_SIMD)
-  if (D % W == 0) {
-    for (; j + 8 <= n; j += 8)
+  if (!std::is_same_v<KV, float> && D % W == 0) {
+    for (; j + 8 <= n; j += 8) {
+      prefetch_rows(vc, rows + j + 8, std::min<int64_t>(8, known - j - 8), sh.kv_heads * D);
       for (int64_t h = 0; h < sh.kv_heads; ++h) {
         const KV* v[8];
         for (int b = 0; b < 8; ++b) v[b] = vc + rows[j + b] + h * D;
@@ -297,6 +325,7 @@ inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* ro
           }
         }
       }
+    }
   }
 #endif
   for (; j < n; ++j)
@@ -313,7 +342,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
   float qf[MAX_HEADS * 256];
   alignas(64) uint16_t qb[MAX_HEADS * 256];
   float s[MAX_HEADS * TILE];
-  int64_t rows[TILE];
+  int64_t rows[2 * TILE];
   for (int64_t i = 0; i < H * D; ++i) {
     qf[i] = to_float(q[i]);
     from_float(qb + i, qf[i]);  // exact where q is bf16; unused where q is float32
@@ -321,9 +350,12 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
   std::fill(m, m + H, NEG_INF);
   std::fill(l, l + H, 0.f);
   std::fill(acc, acc + H * D, 0.f);
+  if (t0 < t1) tile_rows(table, t0, std::min(TILE, t1 - t0), sh.block_size, row_elems, rows);
   for (int64_t t = t0; t < t1; t += TILE) {
     const int64_t n = std::min(TILE, t1 - t);
-    tile_rows(table, t, n, sh.block_size, row_elems, rows);
+    // the next tile's rows follow this one's, so the loops can ask for keys 8 ahead across tiles
+    const int64_t n_next = t + TILE < t1 ? std::min(TILE, t1 - t - TILE) : 0;
+    if (n_next) tile_rows(table, t + TILE, n_next, sh.block_size, row_elems, rows + n);
     score_tile<Q>(qf, qb, kc, rows, n, sh, s);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
@@ -334,7 +366,8 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
       if (correction != 1.f)
         for (int64_t k = 0; k < D; ++k) acc[i * D + k] *= correction;
     }
-    add_tile(s, acc, vc, rows, n, sh);
+    add_tile(s, acc, vc, rows, n, n + n_next, sh);
+    std::copy(rows + n, rows + n + n_next, rows);
   }
 }
 
