@@ -12,7 +12,6 @@ them: the context then comes from memory, where one layer's cache alone may sit 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import statistics
 import time
 from pathlib import Path
@@ -33,9 +32,7 @@ BLOCK = 16
 
 
 def load(source: Path) -> cpu_kernel.PagedDecodeKernel:
-    library = ctypes.CDLL(str(native.built_library(source, native.FLAGS)))
-    cpu_kernel._declare(library)
-    return cpu_kernel.PagedDecodeKernel(library, library.kiln_paged_decode_isa())
+    return cpu_kernel.load_paged_decode(native.FLAGS, source)
 
 
 def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1):

@@ -79,11 +79,12 @@ def paged_decode_kernel() -> PagedDecodeKernel | None:
         return None
 
 
-def load_paged_decode(flags: tuple[str, ...]) -> PagedDecodeKernel:
-    """The kernel built with `flags` (cached on disk by them), loaded; raises where it cannot be
-    built or loaded. `paged_decode_kernel` is the engine's; other flags are for tests (the
-    portable build: FLAGS without -march=native)."""
-    library = ctypes.CDLL(str(built_library(SOURCE, flags)))
+def load_paged_decode(flags: tuple[str, ...], source: Path = SOURCE) -> PagedDecodeKernel:
+    """The kernel built from `source` with `flags` (cached on disk by both), loaded; raises where
+    it cannot be built or loaded. `paged_decode_kernel` is the engine's; other flags are for
+    tests (the portable build: FLAGS without -march=native), other sources for
+    benchmarks/decode_kernel_ab.py (a version before a change)."""
+    library = ctypes.CDLL(str(built_library(source, flags)))
     _declare(library)
     return PagedDecodeKernel(library, library.kiln_paged_decode_isa())
 
