@@ -75,6 +75,8 @@ def main() -> None:
         "kiln (per-expert)": _kiln_block(hf, args, moe.experts_by_loop).to(device, dtype),
         "kiln (grouped)": _kiln_block(hf, args, moe.experts_grouped).to(device, dtype),
     }
+    if device.type == "cuda":  # kiln's Triton kernel: what CUDA graphs use where _grouped_mm can't
+        blocks["kiln (triton)"] = _kiln_block(hf, args, moe.experts_by_triton).to(device, dtype)
     rows = []
     with torch.inference_mode():
         for n in args.tokens:
@@ -86,7 +88,7 @@ def main() -> None:
             repeats = max(2, 64 // n)
             times = {name: [] for name in blocks}
             for r in range(args.rounds):  # interleaved, order rotated each round
-                names = list(blocks)[r % 3 :] + list(blocks)[: r % 3]
+                names = list(blocks)[r % len(blocks) :] + list(blocks)[: r % len(blocks)]
                 for name in names:
                     fn = (lambda v: hf(v[None])) if name == "hf" else blocks[name]
                     times[name].append(_time(fn, x, repeats))

@@ -14,6 +14,8 @@
 #   bash scripts/gpu_check.sh                 # everything
 #   bash scripts/gpu_check.sh bench           # one part: tests | triton | attention | bench
 #   bash scripts/gpu_check.sh checks          # the tests and the Triton tests, side by side
+#   bash scripts/gpu_check.sh hybrid          # not in all: the graph modes on qwen3-next-random
+#   bash scripts/gpu_check.sh moe             # not in all: the MoE block, Triton vs _grouped_mm
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -68,4 +70,19 @@ fi
 if [[ $PART == all || $PART == bench ]]; then
   timeout 160 "$PY" benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \
     --output "$OUT/graph_modes.json" 2>&1 | grep -v Warning | tee "$OUT/graph_modes.log" | tail -9
+fi
+if [[ $PART == hybrid ]]; then
+  # Qwen3-Next's mix (Gated DeltaNet + gated attention + MoE), scaled, in bf16: the Triton GDN
+  # core and the grouped experts inside every graph mode
+  timeout 170 "$PY" benchmarks/graph_modes.py --model qwen3-next-random --dtype bfloat16 \
+    --output "$OUT/graph_modes_hybrid.json" 2>&1 | grep -v Warning \
+    | tee "$OUT/graph_modes_hybrid.log" | tail -9
+fi
+if [[ $PART == moe ]]; then
+  # Qwen3-30B-A3B's expert shapes: kiln's Triton kernel against torch._grouped_mm (bf16, where
+  # both capture) and HF's block; then float32, where only the Triton kernel captures
+  for dtype in bfloat16 float32; do
+    timeout 60 "$PY" benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
+      --dtype "$dtype" --tokens 1 16 128 1024 2>&1 | tee "$OUT/moe_block_$dtype.log" | grep "^|"
+  done
 fi

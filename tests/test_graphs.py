@@ -7,7 +7,9 @@ The same tests on a GPU use real CUDA graphs: see test_cuda.py and scripts/gpu_c
 
 from __future__ import annotations
 
+import gc
 import logging
+import weakref
 
 import pytest
 import torch
@@ -237,6 +239,48 @@ def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, reference
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_reference(finals, logits, references["torch"])
     assert engine.stats().graphs["recompilations"] == 0
+
+
+class _PoolMemoryBackend(EmulatedGraphBackend):
+    """Device memory as CUDA graphs spend it: each live graph holds `per_graph` bytes until the
+    runner drops it, and the first capture loads `loaded` bytes that stay (kernels for sizes
+    the warm-up did not run, a workspace)."""
+
+    def __init__(self, per_graph: int, loaded: int) -> None:
+        super().__init__(measures_memory=True)
+        self.per_graph, self.loaded = per_graph, loaded
+        self.live: weakref.WeakSet = weakref.WeakSet()
+
+    def capture(self, fn):
+        replay, out = super().capture(fn)
+        self.live.add(replay)
+        return replay, out
+
+    def memory_in_use(self) -> int:
+        gc.collect()
+        return self.loaded * (self.captures > 0) + self.per_graph * len(self.live)
+
+
+def test_graph_memory_reserved_before_kv_sizing_is_what_the_real_capture_takes(tiny_models):
+    """What the measuring captures load once (kernels, workspaces) is still loaded when the KV
+    cache is sized and is not paid again: the reservation leaves it out (on an H200 it made
+    the reservation 1.6x the graphs' memory)."""
+    config = CompilationConfig(mode=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=SIZES)
+    backend = _PoolMemoryBackend(per_graph=1000, loaded=50_000)
+    engine = make_engine(
+        tiny_models["llama"],
+        block_size=4,
+        max_num_batched_tokens=16,
+        max_num_seqs=8,
+        max_model_len=64,
+        kv_cache_memory=PREEMPTING,
+        compilation=config,
+        attention_backend="torch",
+        graph_backend=backend,
+    )
+    cap = engine.boot.capture
+    assert cap.graphs > 0 and backend.captures == 2 * cap.graphs
+    assert cap.memory_bytes == cap.reserved_bytes == 1000 * cap.graphs
 
 
 @pytest.mark.parametrize("graph_mode", ["FULL_DECODE_ONLY", "FULL_AND_PIECEWISE"])
