@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from kiln import native
-from kiln.attention import cpu_kernel
+from kiln.attention import cpu_kernel, kv_int8
 
 SHAPES = {"smollm2": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # heads, KV heads, head dim
 CASES = [(1, 1024), (1, 7000), (1, 16384), (16, 512), (64, 512), (4, 4096)]  # rows, context
@@ -27,6 +27,7 @@ DTYPES = {  # (queries, cache)
     "f32": (torch.float32, torch.float32),
     "bf16": (torch.bfloat16, torch.bfloat16),
     "f32/bf16": (torch.float32, torch.bfloat16),
+    "f32/int8": (torch.float32, torch.int8),  # --kv-cache-dtype int8: values and a scale per row
 }
 BLOCK = 16
 
@@ -35,12 +36,18 @@ def load(source: Path) -> cpu_kernel.PagedDecodeKernel:
     return cpu_kernel.load_paged_decode(native.FLAGS, source)
 
 
+def _cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return kv_int8.quantize(values) if dtype == torch.int8 else values.to(dtype)
+
+
 def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1):
     """(ms per layer of each kernel, max |difference|) on one random batch, each row's blocks
     in order, over `layers` caches taken in turn."""
     heads, kv_heads, dim = shape
     blocks = rows * -(-context // BLOCK) + 1
-    caches = [torch.randn(2, blocks, BLOCK, kv_heads, dim).to(dtypes[1]) for _ in range(layers)]
+    caches = [
+        _cache(torch.randn(2, blocks, BLOCK, kv_heads, dim), dtypes[1]) for _ in range(layers)
+    ]
     tables = torch.arange(1, blocks, dtype=torch.int32).view(rows, -1).contiguous()
     lens = torch.full((rows,), context, dtype=torch.int32)
     q = torch.randn(rows, heads, dim).to(dtypes[0])

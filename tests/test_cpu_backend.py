@@ -22,6 +22,7 @@ from kiln.attention.cpu_backend import (
     CpuPagedAttentionBackend,
     block_runs,
 )
+from kiln.attention.kv_int8 import dequantize, quantize
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.runner.input_buffers import BatchRow, InputBuffers
 
@@ -124,25 +125,39 @@ def test_bfloat16_matches_the_reference_backend(tuning):
     assert torch.equal(caches, ref_caches)  # the same keys and values in the same slots
 
 
+def _narrow_cache(caches: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
+    """Float caches as a cache of `kv_dtype` holds them (int8: values and scale per head row)."""
+    return quantize(caches) if kv_dtype == torch.int8 else caches.to(kv_dtype)
+
+
+def _cache_values(caches: torch.Tensor) -> torch.Tensor:
+    """What a cache holds, as float64 values (attention by hand reads these)."""
+    return dequantize(caches, torch.float64) if caches.dtype == torch.int8 else caches.double()
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.bfloat16, torch.int8], ids=str)
 @pytest.mark.parametrize("tuning", [*TUNINGS, "torch backend"], ids=str)
-def test_a_bfloat16_cache_under_a_float32_model_matches_attention_by_hand(tuning):
-    """--kv-cache-dtype bfloat16 with a float32 model: the step's keys and values are written
-    rounded to bf16, and every path (the kernel's mixed build, the flash paths, the gathered
-    ones, the torch backend) attends float32 queries over exactly those values, the chunk's own
-    keys included, so it equals attention by hand over the cache within float32 rounding."""
+def test_a_narrower_cache_under_a_float32_model_matches_attention_by_hand(tuning, kv_dtype):
+    """--kv-cache-dtype bfloat16 or int8 with a float32 model: the step's keys and values are
+    written rounded to bf16 (or quantized to int8 with a scale per token and head), and every
+    path (the kernel's mixed builds, the flash paths, the gathered ones, the torch backend)
+    attends float32 queries over exactly those values, the chunk's own keys included, so it
+    equals attention by hand over the cache within float32 rounding."""
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
-    caches = caches.bfloat16()
+    caches = _narrow_cache(caches, kv_dtype)
     if tuning == "torch backend":
         backend = TorchPagedAttentionBackend(torch.float32)
     else:
         shape = AttentionShape(6, 2, 16)
-        backend = CpuPagedAttentionBackend(torch.float32, shape, TUNINGS[tuning], torch.bfloat16)
-        assert backend.key_bytes == 2 * 16 * 2  # the gather thresholds count the cache's bytes
+        backend = CpuPagedAttentionBackend(torch.float32, shape, TUNINGS[tuning], kv_dtype)
+        # the gather thresholds count the cache's bytes: bf16 values, or int8 ones and a scale
+        assert backend.key_bytes == 2 * (16 * 2 if kv_dtype == torch.bfloat16 else 16 + 4)
     out = _run(backend, caches, q, k, v, layout)
     assert out.dtype == torch.float32
-    written = caches[0].view(-1, 2, 16)[layout.slot_mapping[: len(k)]]
-    assert torch.equal(written, k.bfloat16())
-    torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
+    written = caches[0].view(-1, 2, caches.shape[-1])[layout.slot_mapping[: len(k)]]
+    assert torch.equal(written, _narrow_cache(k, kv_dtype))
+    want = _by_hand(_cache_values(caches), q, layout)
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
 
 
 def test_cache_writes_equal_the_reference_backend():
@@ -270,7 +285,21 @@ def _decodes(layout):
     return InputBuffers(8, 4, len(tables[0]), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
+KERNEL_DTYPES = [torch.float32, torch.bfloat16, "float32 over bf16", "float32 over int8",
+                 "bf16 over int8"]  # fmt: skip
+
+
+def _kernel_types(dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(queries' dtype, cache's dtype) of a kernel test's `dtype`."""
+    if isinstance(dtype, torch.dtype):
+        return dtype, dtype
+    q, cache = dtype.split(" over ")
+    return getattr(torch, q.replace("bf16", "bfloat16")), getattr(
+        torch, cache.replace("bf16", "bfloat16")
+    )
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
@@ -278,20 +307,20 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
     kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
     its own, AVX-512 without BF16 dot products, AVX2 with FMA, and the portable loops; float32,
-    bf16, and float32 queries over a bf16 cache (--kv-cache-dtype bfloat16)."""
+    bf16, queries over a bf16 cache (--kv-cache-dtype bfloat16) and over an int8 one (values
+    and a scale per head row)."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
-    mixed = dtype == "float32 over bf16"  # a float32 model's queries over a bf16 cache
-    dtype = torch.float32 if mixed else dtype
+    dtype, kv_dtype = _kernel_types(dtype)
     caches, q, k, v, layout = _batch(heads, kv_heads, dim, dtype, contiguous=False, seed=1)
-    caches = caches.bfloat16() if mixed else caches
+    caches = _narrow_cache(caches, kv_dtype)
     layout = _decodes(layout)  # this step's keys and values written as the op writes them:
-    written = torch.stack([k[:4], v[:4]]).to(caches.dtype)
-    caches.view(2, -1, kv_heads, dim).index_copy_(1, layout.slot_mapping[:4], written)
+    written = _narrow_cache(torch.stack([k[:4], v[:4]]), kv_dtype)
+    caches.view(2, -1, kv_heads, caches.shape[-1]).index_copy_(1, layout.slot_mapping[:4], written)
     out = torch.full((4, heads, dim), float("nan"), dtype=dtype)
     tables, lens = layout.block_tables[:4].int().contiguous(), layout.seq_lens[:4].int()
     kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)
-    want = _by_hand(caches, q[:4], layout, FIRSTS[:4], [1] * 4)
+    want = _by_hand(_cache_values(caches), q[:4], layout, FIRSTS[:4], [1] * 4)
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
     torch.testing.assert_close(out.view(4, -1).double(), want, rtol=tol, atol=tol)
 
@@ -319,7 +348,7 @@ def _kernel_build(build: str):
     return kernel
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 6, 16)], ids=str)
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
@@ -329,8 +358,7 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     against float64 by hand."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
-    mixed = dtype == "float32 over bf16"
-    dtype = torch.float32 if mixed else dtype
+    dtype, kv_dtype = _kernel_types(dtype)
     g = torch.Generator().manual_seed(3)
     lens, block_size = [1100, 257, 64, 9], 16
     need = [-(-n // block_size) for n in lens]
@@ -339,7 +367,7 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     for row, table in enumerate(order.split(need)):
         tables[row, : len(table)] = table
     caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
-    caches = caches.to(torch.bfloat16 if mixed else dtype)
+    caches = _narrow_cache(caches, kv_dtype)
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
     kernel.run(q, caches[0], caches[1], tables, torch.tensor(lens, dtype=torch.int32), out,
@@ -347,7 +375,7 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     for row, n in enumerate(lens):
         pos = torch.arange(n)
         slots = tables[row, pos // block_size].long() * block_size + pos % block_size
-        keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
+        keys, values = (c.reshape(-1, kv_heads, dim)[slots] for c in _cache_values(caches))
         keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
         p = torch.softmax(torch.einsum("hd,khd->hk", q[row].double(), keys) * dim**-0.5, -1)
         want = torch.einsum("hk,khd->hd", p, values)

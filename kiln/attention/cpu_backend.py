@@ -36,6 +36,7 @@ from kiln.attention.backend import (
     MetadataBuilder,
 )
 from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
+from kiln.attention.kv_int8 import cache_row_width, read_as
 from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode, write_kv
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
@@ -90,8 +91,9 @@ def _over_cache(qs, k_flat, v_flat, kind, start, length, parts, piece_slots, sca
     else:
         slots = piece_slots[start : start + length]
         keys, values = k_flat.index_select(0, slots), v_flat.index_select(0, slots)
+    # a bf16 cache under a float32 model, or an int8 one (dequantized: a copy)
+    keys, values = read_as(keys, qs.dtype), read_as(values, qs.dtype)
     hkv, d = keys.shape[1:]
-    keys, values = keys.to(qs.dtype), values.to(qs.dtype)  # a bf16 cache under a float32 model
     keys = keys.view(parts, length // parts, hkv, d).transpose(1, 2)
     values = values.view(parts, length // parts, hkv, d).transpose(1, 2)
     queries = qs if parts == 1 else qs.expand(parts, *qs.shape[1:])
@@ -330,7 +332,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
     ) -> None:
         """dtype: the model's (queries, outputs); kv_dtype: the cache's (default the same)."""
         self.dtype, self.kv_dtype = dtype, kv_dtype or dtype
-        self.key_bytes = shape.num_kv_heads * shape.head_dim * self.kv_dtype.itemsize
+        row = cache_row_width(shape.head_dim, self.kv_dtype)
+        self.key_bytes = shape.num_kv_heads * row * self.kv_dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
         self.decode_kernel = self._uses_kernel(shape)
         self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"

@@ -18,7 +18,7 @@ from kiln.native import FLAGS, build_failure, built_library
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # int8: caches only
 MAX_HEADS, MAX_HEAD_DIM = 64, 256
 ISA_NAMES = {0: "portable loops", 1: "AVX2", 2: "AVX-512", 3: "AVX-512 with BF16 dot products"}
 
@@ -42,7 +42,8 @@ class PagedDecodeKernel:
         tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
     ) -> None:  # fmt: skip
         """q, out: [rows, heads, head_dim] contiguous; caches [blocks, block_size, kv_heads,
-        head_dim], float32 or bf16 whatever q is; tables [rows, width] and lens [rows] int32:
+        head_dim], float32 or bf16 whatever q is, or int8 [..., head_dim + 4] (values and
+        scale, kiln/attention/kv_int8.py); tables [rows, width] and lens [rows] int32:
         each row's keys are the first lens[r] slots its table maps."""
         rows, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape

@@ -49,6 +49,12 @@ def select_backend(
                 "triton is not installed: using the pure-PyTorch attention backend, which CUDA "
                 "graphs cannot capture. Remedy: pip install triton"
             )
+    if kv_dtype == torch.int8 and name == "triton":
+        raise ConfigError(
+            "--kv-cache-dtype int8 is read by the CPU attention backends and the pure-PyTorch "
+            "one; the Triton backend has no int8 path. Remedy: --kv-cache-dtype bfloat16 (or "
+            "auto), or --attention-backend torch"
+        )
     if name == "torch":
         return TorchPagedAttentionBackend(dtype)
     if name in ("cpu", "cpu-flash"):

@@ -21,6 +21,7 @@ from kiln.attention.backend import (
     GraphSupport,
     MetadataBuilder,
 )
+from kiln.attention.kv_int8 import dequantize, is_int8, quantize, read_as
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -49,6 +50,8 @@ def stored_as(
     prefix hit gives the same output as recomputing the prefix."""
     if cache_dtype == k.dtype:
         return k, v
+    if cache_dtype == torch.int8:
+        return dequantize(quantize(k), k.dtype), dequantize(quantize(v), v.dtype)
     return k.to(cache_dtype).to(k.dtype), v.to(cache_dtype).to(v.dtype)
 
 
@@ -65,6 +68,11 @@ def write_kv(
         k_flat.index_copy_(0, slot_mapping, k)
         v_flat.index_copy_(0, slot_mapping, v)
         return k, v
+    if is_int8(k_flat):
+        k_stored, v_stored = quantize(k), quantize(v)
+        k_flat.index_copy_(0, slot_mapping, k_stored)
+        v_flat.index_copy_(0, slot_mapping, v_stored)
+        return dequantize(k_stored, k.dtype), dequantize(v_stored, v.dtype)
     k_stored, v_stored = k.to(k_flat.dtype), v.to(v_flat.dtype)
     k_flat.index_copy_(0, slot_mapping, k_stored)
     v_flat.index_copy_(0, slot_mapping, v_stored)
@@ -80,8 +88,8 @@ def gathered_decode(q, k_flat, v_flat, slots, bias, scale):
     n, h, d = q.shape
     hkv = k_flat.shape[1]
     slots = slots.view(n, -1)
-    keys = _gather(k_flat, slots).transpose(1, 2).to(q.dtype)  # [n, Hkv, L, D]
-    values = _gather(v_flat, slots).transpose(1, 2).to(q.dtype)
+    keys = read_as(_gather(k_flat, slots), q.dtype).transpose(1, 2)  # [n, Hkv, L, D]
+    values = read_as(_gather(v_flat, slots), q.dtype).transpose(1, 2)
     out = F.scaled_dot_product_attention(
         q.view(n, hkv, h // hkv, d), keys, values, attn_mask=bias.view(n, 1, 1, -1), scale=scale
     )
@@ -94,7 +102,7 @@ def _prefill(q, k, v, k_flat, v_flat, block_table, seq_len, block_size, scale):
     mask = None
     if ctx_len > 0:
         slots = _slots(block_table, seq_len, block_size)
-        k, v = k_flat.index_select(0, slots).to(q.dtype), v_flat.index_select(0, slots).to(q.dtype)
+        k, v = (read_as(flat.index_select(0, slots), q.dtype) for flat in (k_flat, v_flat))
         rows = torch.arange(q_len, device=q.device)[:, None] + ctx_len
         mask = torch.arange(seq_len, device=q.device)[None, :] <= rows
     # 4-D, with a batch of one: the CPU's flash kernel takes only 4-D inputs; 3-D ones fall back

@@ -9,6 +9,7 @@ from dataclasses import replace
 
 import torch
 
+from kiln.attention.kv_int8 import cache_row_width
 from kiln.config.engine import CacheConfig
 from kiln.errors import ConfigError
 from kiln.models.config import ModelConfig
@@ -30,7 +31,8 @@ def available_memory(device: torch.device) -> int:
 
 
 def kv_bytes_per_block(model: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    per_token = len(model.attention_layer_ids) * 2 * model.num_kv_heads * model.head_dim
+    row = cache_row_width(model.head_dim, dtype)
+    per_token = len(model.attention_layer_ids) * 2 * model.num_kv_heads * row
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 

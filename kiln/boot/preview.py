@@ -39,6 +39,8 @@ def torch_dtype(config: EngineConfig) -> torch.dtype:
 def kv_dtype(config: EngineConfig) -> torch.dtype:
     """The KV cache's element type: --kv-cache-dtype, or the model's (auto)."""
     name = config.cache.kv_cache_dtype
+    if name == "int8":
+        return torch.int8
     return torch_dtype(config) if name == "auto" else getattr(torch, DTYPES[name])
 
 

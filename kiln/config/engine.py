@@ -77,9 +77,11 @@ class CacheConfig:
         default="auto",
         metadata=option(
             str,
-            "the KV cache's element type: auto (default: --dtype), float32, bfloat16 or "
-            "float16; bfloat16 under a float32 model halves the cache's memory and the bytes "
-            "each decode step reads, keys and values rounded to bf16 as they are written",
+            "the KV cache's element type: auto (default: --dtype), float32, bfloat16, float16 "
+            "or int8; bfloat16 under a float32 model halves the cache's memory and the bytes "
+            "each decode step reads, keys and values rounded to bf16 as they are written; "
+            "int8 (CPU attention backends) stores each token's head row as int8 values and "
+            "one float32 scale, a quarter of float32's bytes",
         ),
     )
     enable_prefix_caching: bool = field(
@@ -105,9 +107,9 @@ class CacheConfig:
                 f"state_checkpoints must be >= 1, got {self.state_checkpoints} (turn prefix "
                 "caching off with --no-enable-prefix-caching instead)"
             )
-        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in DTYPES:
+        if self.kv_cache_dtype not in ("auto", "int8") and self.kv_cache_dtype not in DTYPES:
             raise ConfigError(
-                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto or one of "
+                f"unknown kv_cache_dtype {self.kv_cache_dtype!r}; choose auto, int8 or one of "
                 f"{sorted(DTYPES)}"
             )
         if isinstance(self.kv_cache_memory, str):

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, StateMetadata
+from kiln.attention.kv_int8 import cache_row_width
 from kiln.compiler.precompile import TraceFile, compiled_forward
 from kiln.compiler.split_backend import SplitBackend, mark_dynamic_dims, restorer_of_marks
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
@@ -134,7 +135,8 @@ class ModelRunner:
         """The paged KV cache in `kv_dtype` (default `dtype`, the model's) and the hybrid
         models' state slots in `dtype`."""
         cfg, attention = self.model.config, self.model.attention_layers()
-        shape = (num_blocks, self.buffers.block_size, cfg.num_kv_heads, cfg.head_dim)
+        row = cache_row_width(cfg.head_dim, kv_dtype or dtype)  # int8 rows carry their scale
+        shape = (num_blocks, self.buffers.block_size, cfg.num_kv_heads, row)
         # One tensor per layer and per K/V, never views of one big buffer: a compiled graph that
         # keeps the attention op inside (no split) mutates each cache in place only when it is
         # its own graph input; views of a shared base made Inductor copy the cache every step.

@@ -1,7 +1,8 @@
 // Decode attention over kiln's paged KV cache on the CPU, read in place.
 //
 // One query token per request, its keys and values where they lie in the cache
-// ([blocks * block_size, kv_heads, head_dim], float32 or bfloat16), found through the
+// ([blocks * block_size, kv_heads, head_dim], float32 or bfloat16; or int8, each head row
+// head_dim values and then its float32 scale: kiln/attention/kv_int8.py), found through the
 // request's block table. A work item is one request over one range of its keys, every head at
 // once: a token's keys for all KV heads are one contiguous run of the cache, read once and in
 // order, which is what lets the hardware prefetchers stream it. Scores and the softmax are
@@ -40,6 +41,7 @@ inline float to_float(uint16_t x) {
   std::memcpy(&f, &u, 4);
   return f;
 }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 inline void from_float(float* p, float x) { *p = x; }
 inline void from_float(uint16_t* p, float x) {  // round to nearest even, NaN kept
   uint32_t u;
@@ -64,6 +66,9 @@ inline vf vload(const uint16_t* p) {
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
+inline vf vload(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
 inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
@@ -84,6 +89,9 @@ inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vf vload(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+inline vf vload(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
 inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
@@ -136,6 +144,21 @@ inline float dot_f32(const float* qf, const KV* k, int64_t d) {
 inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
   return dot_f32(qf, k, d);
 }
+inline float dot(const float* qf, const uint16_t*, const int8_t* k, int64_t d) {
+  return dot_f32(qf, k, d);
+}
+
+// The scale of a head row of d values: an int8 row's float32 after its values, else 1
+template <typename KV>
+inline float row_scale(const KV* row, int64_t d) {
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    float scale;
+    std::memcpy(&scale, row + d, 4);
+    return scale;
+  }
+  (void)row, (void)d;
+  return 1.f;
+}
 inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t d) {
 #if defined(__AVX512BF16__)
   if (d % 32 == 0) {
@@ -153,20 +176,21 @@ inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t
 // acc[g] += p[g * TILE] * v for the g query heads sharing one KV head's value row v
 template <typename KV>
 inline void add_weighted(const float* p, float* acc, const KV* v, int64_t group, int64_t d) {
+  const float vs = row_scale(v, d);
 #if defined(KILN_SIMD)
   if (d % W == 0) {
     for (int64_t i = 0; i < d; i += W) {
       const vf vv = vload(v + i);
       for (int64_t g = 0; g < group; ++g) {
         float* a = acc + g * d + i;
-        vstore(a, vfmadd(vset(p[g * TILE]), vv, vload(a)));
+        vstore(a, vfmadd(vset(p[g * TILE] * vs), vv, vload(a)));
       }
     }
     return;
   }
 #endif
   for (int64_t g = 0; g < group; ++g)
-    for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p[g * TILE] * to_float(v[i]);
+    for (int64_t i = 0; i < d; ++i) acc[g * d + i] += p[g * TILE] * vs * to_float(v[i]);
 }
 
 // s[j] = exp(s[j] - mx) for j < n, returns their sum
@@ -224,6 +248,7 @@ inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t n, int64_
 struct Shape {
   int64_t heads, kv_heads, head_dim, block_size, table_width;
   float scale;
+  int64_t head_stride;  // elements from one head row to the next: head_dim, + 4 for int8
 };
 
 // q . k for a query of type Q: a bf16 query on bf16 keys may use bf16 dot products; a float32
@@ -243,7 +268,7 @@ inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t
 template <typename Q, typename KV>
 inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const int64_t* rows,
                        int64_t n, const Shape& sh, float* s) {
-  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads;
+  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, HS = sh.head_stride;
   int64_t j = 0;
 #if defined(KILN_SIMD)
   // bf16 queries over bf16 keys keep AVX512-BF16's pair products where the CPU has them
@@ -255,7 +280,9 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
       for (int b = 0; b < 8; ++b) {  // one key row after another, every head of it
         const KV* row = kc + rows[j + b];
         for (int64_t i = 0; i < H; ++i) {
-          const KV* k = row + (i / G) * D;
+          // int8 rows widen as they load, for each query head: widening a KV head's row once
+          // into a buffer for its G query heads measured 0.9x (the round trip costs more)
+          const KV* k = row + (i / G) * HS;
           const float* qi = qf + i * D;
           vf a0 = vzero(), a1 = vzero();
           int64_t c = 0;
@@ -264,7 +291,9 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
             a1 = vfmadd(vload(qi + c + W), vload(k + c + W), a1);
           }
           if (c < D) a0 = vfmadd(vload(qi + c), vload(k + c), a0);
-          vstore(part + (i * 8 + b) * W, a0 + a1);
+          if constexpr (std::is_same_v<KV, int8_t>) a0 = (a0 + a1) * vset(row_scale(k, D));
+          else a0 = a0 + a1;
+          vstore(part + (i * 8 + b) * W, a0);
         }
       }
       for (int64_t i = 0; i < H; ++i) {
@@ -276,9 +305,10 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
   }
 #endif
   for (; j < n; ++j)
-    for (int64_t i = 0; i < H; ++i)
-      s[i * TILE + j] =
-          sh.scale * query_dot<Q>(qf + i * D, qb + i * D, kc + rows[j] + (i / G) * D, D);
+    for (int64_t i = 0; i < H; ++i) {
+      const KV* k = kc + rows[j] + (i / G) * HS;
+      s[i * TILE + j] = sh.scale * row_scale(k, D) * query_dot<Q>(qf + i * D, qb + i * D, k, D);
+    }
 }
 
 #if defined(KILN_SIMD)
@@ -286,12 +316,17 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
 // the sums stay in registers over the 8 keys (loaded and stored once, not once per key)
 template <int GS, typename KV>
 inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) {
+  float vs[8];  // the rows' scales (int8), folded into the weights
+  for (int b = 0; b < 8; ++b) vs[b] = row_scale(v[b], d);
   for (int64_t c = 0; c < d; c += W) {
     vf a[GS];
     for (int g = 0; g < GS; ++g) a[g] = vload(acc + g * d + c);
     for (int b = 0; b < 8; ++b) {
       const vf vv = vload(v[b] + c);
-      for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b]), vv, a[g]);
+      if constexpr (std::is_same_v<KV, int8_t>)
+        for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b] * vs[b]), vv, a[g]);
+      else
+        for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b]), vv, a[g]);
     }
     for (int g = 0; g < GS; ++g) vstore(acc + g * d + c, a[g]);
   }
@@ -305,15 +340,15 @@ inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) 
 template <typename KV>
 inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* rows, int64_t n,
                      int64_t known, const Shape& sh) {
-  const int64_t D = sh.head_dim, G = sh.heads / sh.kv_heads;
+  const int64_t D = sh.head_dim, G = sh.heads / sh.kv_heads, HS = sh.head_stride;
   int64_t j = 0;
 #if defined(KILN_SIMD)
   if (!std::is_same_v<KV, float> && D % W == 0) {
     for (; j + 8 <= n; j += 8) {
-      prefetch_rows(vc, rows + j + 8, std::min<int64_t>(8, known - j - 8), sh.kv_heads * D);
+      prefetch_rows(vc, rows + j + 8, std::min<int64_t>(8, known - j - 8), sh.kv_heads * HS);
       for (int64_t h = 0; h < sh.kv_heads; ++h) {
         const KV* v[8];
-        for (int b = 0; b < 8; ++b) v[b] = vc + rows[j + b] + h * D;
+        for (int b = 0; b < 8; ++b) v[b] = vc + rows[j + b] + h * HS;
         for (int64_t g = 0; g < G; g += 4) {
           const float* pg = p + (h * G + g) * TILE + j;
           float* ag = acc + (h * G + g) * D;
@@ -330,7 +365,7 @@ inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* ro
 #endif
   for (; j < n; ++j)
     for (int64_t h = 0; h < sh.kv_heads; ++h)
-      add_weighted(p + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * D, G, D);
+      add_weighted(p + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * HS, G, D);
 }
 
 // One request's query q (all heads) over its keys [t0, t1): unnormalised output acc [H, D],
@@ -338,7 +373,7 @@ inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* ro
 template <typename Q, typename KV>
 void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                   int64_t t1, const Shape& sh, float* acc, float* m, float* l) {
-  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, row_elems = sh.kv_heads * D;
+  const int64_t H = sh.heads, D = sh.head_dim, row_elems = sh.kv_heads * sh.head_stride;
   float qf[MAX_HEADS * 256];
   alignas(64) uint16_t qb[MAX_HEADS * 256];
   float s[MAX_HEADS * TILE];
@@ -428,17 +463,21 @@ int kiln_paged_decode_isa() {
 
 // q, out [rows, heads, head_dim]; caches [slots, kv_heads, head_dim]; tables [rows, width];
 // lens [rows]; work: rows * splits * (heads * head_dim + 2 * heads) floats. dtype (q and out)
-// and kv_dtype (the caches): 0 float32, 1 bfloat16. Requires heads <= 64 and head_dim <= 256
-// (checked by the caller).
+// and kv_dtype (the caches): 0 float32, 1 bfloat16; kv_dtype 2: int8 rows of head_dim values
+// and a float32 scale. Requires heads <= 64 and head_dim <= 256 (checked by the caller).
 void kiln_paged_decode(int dtype, int kv_dtype, const void* q, const void* k_cache,
                        const void* v_cache, const int32_t* tables, const int32_t* lens, void* out,
                        float* work, int64_t rows, int64_t heads, int64_t kv_heads,
                        int64_t head_dim, int64_t block_size, int64_t table_width, int64_t splits,
                        float scale, int threads) {
-  const Shape sh{heads, kv_heads, head_dim, block_size, table_width, scale};
+  const int64_t stride = kv_dtype == 2 ? head_dim + 4 : head_dim;
+  const Shape sh{heads, kv_heads, head_dim, block_size, table_width, scale, stride};
   const auto run = [&](const auto* typed_q, auto* typed_out) {
     if (kv_dtype == 0)
       decode(typed_q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+             tables, lens, typed_out, work, rows, splits, sh, threads);
+    else if (kv_dtype == 2)
+      decode(typed_q, static_cast<const int8_t*>(k_cache), static_cast<const int8_t*>(v_cache),
              tables, lens, typed_out, work, rows, splits, sh, threads);
     else
       decode(typed_q, static_cast<const uint16_t*>(k_cache),
