@@ -419,3 +419,24 @@ def test_the_kernel_a_b_benchmark_times_two_builds_on_the_same_inputs():
     kernels = [ab.load(cpu_kernel.SOURCE) for _ in range(2)]
     ms, diff = ab.compare(kernels, (9, 3, 64), ab.DTYPES["f32/bf16"], 2, 40, repeats=1)
     assert diff == 0.0 and len(ms) == 2 and all(t > 0 for t in ms)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_the_kernels_int8_writes_equal_the_reference_quantizer(dtype, build):
+    """The C++ writer the CPU backend quantizes an int8 cache with is bit for bit
+    kv_int8.quantize (the torch backend's): rows of random values, a zero row (scale 0), and
+    values on rounding ties (x / scale = k + 0.5 exactly), at scattered slots."""
+    kernel = _kernel_build(build)
+    g = torch.Generator().manual_seed(5)
+    rows = torch.randn(6, 3, 64, generator=g) * torch.tensor([0.01, 1.0, 40.0])[:, None]
+    rows[1, 2] = 0
+    rows[2, 0] = torch.arange(64) - 31.5  # max 32.5: scale 32.5 / 127, ties after division
+    rows = rows.to(dtype)
+    slots = torch.tensor([7, 0, 3, 11, 5, 9])
+    cache = torch.zeros(12, 3, 68, dtype=torch.int8)
+    kernel.write_int8(rows, slots, cache)
+    assert torch.equal(cache[slots], quantize(rows))
+    untouched = torch.ones(12, dtype=torch.bool)
+    untouched[slots] = False
+    assert not cache[untouched].any()

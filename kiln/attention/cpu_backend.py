@@ -36,8 +36,13 @@ from kiln.attention.backend import (
     MetadataBuilder,
 )
 from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
-from kiln.attention.kv_int8 import cache_row_width, read_as
-from kiln.attention.torch_backend import decode_gather_tensors, gathered_decode, write_kv
+from kiln.attention.kv_int8 import cache_row_width, is_int8, read_as
+from kiln.attention.torch_backend import (
+    decode_gather_tensors,
+    gathered_decode,
+    stored_as,
+    write_kv,
+)
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
@@ -129,6 +134,18 @@ def _attend_row(q, k, v, k_flat, v_flat, pieces, piece_slots, scale) -> torch.Te
     return _unstacked(_merge(partials), q.shape[0])
 
 
+def _write(k_flat, v_flat, slot_mapping, k, v, keep: bool):
+    """write_kv, with an int8 cache quantized by the C++ kernel (one call per K/V where the
+    PyTorch ops took about ten each, 30 layers a step); the stored values come back only
+    where `keep` asks (a step with prefill rows: a chunk attends its own keys as stored)."""
+    kernel = paged_decode_kernel() if is_int8(k_flat) else None
+    if kernel is None or k.dtype not in (torch.float32, torch.bfloat16):
+        return write_kv(k_flat, v_flat, slot_mapping, k, v)
+    for rows, flat in ((k, k_flat), (v, v_flat)):
+        kernel.write_int8(rows.contiguous(), slot_mapping.contiguous(), flat)
+    return stored_as(k, v, torch.int8) if keep else (k, v)
+
+
 def cpu_paged_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -155,8 +172,9 @@ def cpu_paged_attention(
     starts = query_start_loc.tolist()
     n_tokens = starts[-1]
     k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
-    k, v = write_kv(k_flat, v_flat, slot_mapping, k, v)
-    n_kernel = kernel_lens.shape[0]
+    n_kernel, n_gathered = kernel_lens.shape[0], gathered_rows.shape[0]
+    decode_only = q.shape[0] in (n_kernel, n_gathered)  # no chunk reads its own keys
+    k, v = _write(k_flat, v_flat, slot_mapping, k, v, keep=not decode_only)
     if n_kernel:
         kernel = paged_decode_kernel()
         if kernel is None:  # the builder asks for it only once it is built
@@ -165,7 +183,6 @@ def cpu_paged_attention(
         kernel.run(q[:n_kernel], k_cache, v_cache, kernel_tables, kernel_lens, rows, scale)
         if n_kernel == q.shape[0]:
             return
-    n_gathered = gathered_rows.shape[0]
     if n_gathered == q.shape[0]:  # only short decodes, no padding: the common small step
         out.copy_(gathered_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
         return

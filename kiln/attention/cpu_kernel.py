@@ -57,6 +57,14 @@ class PagedDecodeKernel:
             kv_heads, dim, block_size, tables.shape[1], splits, scale, threads,
         )  # fmt: skip
 
+    def write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
+        """rows [n, kv_heads, head_dim] (float32 or bf16, contiguous) quantized into the int8
+        cache (flat [slots, kv_heads, head_dim + 4]) at `slots` [n] int64, as
+        kv_int8.quantize does."""
+        n, heads, dim = rows.shape
+        self.library.kiln_write_int8(DTYPES[rows.dtype], rows.data_ptr(), slots.data_ptr(), n,
+                                     heads, dim, cache.data_ptr())  # fmt: skip
+
 
 def decode_splits(rows: int, longest: int, threads: int) -> int:
     """Ranges each row's keys are cut into: enough work items for every thread (a few each, as
@@ -93,6 +101,8 @@ def load_paged_decode(flags: tuple[str, ...], source: Path = SOURCE) -> PagedDec
 def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.kiln_paged_decode_isa.restype = ctypes.c_int
+    library.kiln_write_int8.restype = None
+    library.kiln_write_int8.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
     library.kiln_paged_decode.restype = None
     library.kiln_paged_decode.argtypes = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 7,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip

@@ -444,9 +444,44 @@ void decode(const T* q, const KV* kc, const KV* vc, const int32_t* tables, const
   for (int64_t r = 0; r < rows; ++r) merge_ranges(work + r * splits * item, splits, sh, out + r * H * D);
 }
 
+// Rows x [n, heads, d] (float32 or bf16) quantized into an int8 cache at their slots: per head
+// row d values round(x / scale), scale = max|x| / 127, then the scale's four bytes (as
+// kiln/attention/kv_int8.py's quantize, bit for bit: the same float32 division and rounding to
+// nearest even). One call per layer and K/V where the PyTorch ops took about ten.
+template <typename T>
+void write_int8(const T* x, const int64_t* slots, int64_t n, int64_t heads, int64_t d,
+                int8_t* cache) {
+  const int64_t stride = d + 4;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t h = 0; h < heads; ++h) {
+      const T* row = x + (t * heads + h) * d;
+      int8_t* dst = cache + (slots[t] * heads + h) * stride;
+      float amax = 0.f;
+      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
+      const float scale = amax / 127.f;
+      for (int64_t i = 0; i < d; ++i) {
+        const float q = scale > 0.f ? std::nearbyint(to_float(row[i]) / scale) : 0.f;
+        dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+      }
+      std::memcpy(dst + d, &scale, 4);
+    }
+}
+
 }  // namespace
 
 extern "C" {
+
+// x [n, heads, head_dim] (dtype 0 float32, 1 bfloat16) into the int8 cache [slots, heads,
+// head_dim + 4] at slots [n]
+void kiln_write_int8(int dtype, const void* x, const int64_t* slots, int64_t n, int64_t heads,
+                     int64_t head_dim, void* cache) {
+  if (dtype == 0)
+    write_int8(static_cast<const float*>(x), slots, n, heads, head_dim, static_cast<int8_t*>(cache));
+  else
+    write_int8(static_cast<const uint16_t*>(x), slots, n, heads, head_dim,
+               static_cast<int8_t*>(cache));
+}
+
 
 // 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
