@@ -214,13 +214,11 @@ def test_compiled_full_graphs_equal_eager(tiny_models):
     assert st["steps"]["FULL"] > 0 and st["steps"]["NONE"] == st["graph_misses"] == 0
 
 
-def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, references):
-    """The GPU's boot: the largest graphs are captured on a provisional two-block KV cache to
-    measure them, dropped, and captured again on the real cache. The compiled forward serves
-    both caches (their block count is symbolic): before, binding the real cache failed a guard
-    and compiled the whole model a second time."""
+def _gpu_boot_engine(tiny_models, graph_backend: GraphBackend):
+    """The tiny llama in mode 3 with PIECEWISE graphs over `graph_backend`, which runs the GPU's
+    boot sequence (measure on two blocks, size the KV cache, capture again)."""
     config = CompilationConfig(mode=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=SIZES)
-    engine = make_engine(
+    return make_engine(
         tiny_models["llama"],
         block_size=4,
         max_num_batched_tokens=16,
@@ -229,8 +227,16 @@ def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, reference
         kv_cache_memory=PREEMPTING,
         compilation=config,
         attention_backend="torch",
-        graph_backend=EmulatedGraphBackend(measures_memory=True),
+        graph_backend=graph_backend,
     )
+
+
+def test_gpu_boot_sequence_compiles_once_and_equals_eager(tiny_models, references):
+    """The GPU's boot: the largest graphs are captured on a provisional two-block KV cache to
+    measure them, dropped, and captured again on the real cache. The compiled forward serves
+    both caches (their block count is symbolic): before, binding the real cache failed a guard
+    and compiled the whole model a second time."""
+    engine = _gpu_boot_engine(tiny_models, EmulatedGraphBackend(measures_memory=True))
     assert engine.boot.capture.measured  # the measurement ran, on two blocks
     assert engine.runner.kv_caches[0][0].shape[0] > 2
     # it captured the whole ladder, as the real capture did after it
@@ -265,19 +271,8 @@ def test_graph_memory_reserved_before_kv_sizing_is_what_the_real_capture_takes(t
     """What the measuring captures load once (kernels, workspaces) is still loaded when the KV
     cache is sized and is not paid again: the reservation leaves it out (on an H200 it made
     the reservation 1.6x the graphs' memory)."""
-    config = CompilationConfig(mode=3, cudagraph_mode="PIECEWISE", cudagraph_capture_sizes=SIZES)
     backend = _PoolMemoryBackend(per_graph=1000, loaded=50_000)
-    engine = make_engine(
-        tiny_models["llama"],
-        block_size=4,
-        max_num_batched_tokens=16,
-        max_num_seqs=8,
-        max_model_len=64,
-        kv_cache_memory=PREEMPTING,
-        compilation=config,
-        attention_backend="torch",
-        graph_backend=backend,
-    )
+    engine = _gpu_boot_engine(tiny_models, backend)
     cap = engine.boot.capture
     assert cap.graphs > 0 and backend.captures == 2 * cap.graphs
     assert cap.memory_bytes == cap.reserved_bytes == 1000 * cap.graphs
