@@ -40,7 +40,6 @@ from kiln.attention.kv_int8 import cache_row_width, is_int8, read_as
 from kiln.attention.torch_backend import (
     decode_gather_tensors,
     gathered_decode,
-    stored_as,
     write_kv,
 )
 
@@ -141,9 +140,14 @@ def _write(k_flat, v_flat, slot_mapping, k, v, keep: bool):
     kernel = paged_decode_kernel() if is_int8(k_flat) else None
     if kernel is None or k.dtype not in (torch.float32, torch.bfloat16):
         return write_kv(k_flat, v_flat, slot_mapping, k, v)
-    for rows, flat in ((k, k_flat), (v, v_flat)):
-        kernel.write_int8(rows.contiguous(), slot_mapping.contiguous(), flat)
-    return stored_as(k, v, torch.int8) if keep else (k, v)
+    slots, pairs = slot_mapping.contiguous(), ((k, k_flat), (v, v_flat))
+    for rows, flat in pairs:
+        kernel.write_int8(rows.contiguous(), slots, flat)
+    if not keep:
+        return k, v
+    # the rows just written, read back: the kernel has quantized them once already
+    k_stored, v_stored = (read_as(flat.index_select(0, slots), x.dtype) for x, flat in pairs)
+    return k_stored, v_stored
 
 
 def cpu_paged_attention(
