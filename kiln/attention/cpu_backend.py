@@ -357,6 +357,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.key_bytes = shape.num_kv_heads * row * self.kv_dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
         self.decode_kernel = self._uses_kernel(shape)
+        self.head_dim = shape.head_dim
         self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"
 
     def _uses_kernel(self, shape: AttentionShape) -> bool:
@@ -374,7 +375,11 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     def describe(self) -> str:
         if self.decode_kernel:
-            isa = ISA_NAMES[paged_decode_kernel().isa]  # type: ignore[union-attr]
+            kernel = paged_decode_kernel()
+            assert kernel is not None  # decode_kernel is set only where it was built
+            isa = ISA_NAMES[kernel.isa]
+            if self.kv_dtype == torch.int8 and kernel.int8_queries(self.head_dim):
+                isa += ", int8 keys by VNNI dot products with int8 queries"
             return f"{self.name} (decode rows: C++ kernel built with {isa}; prefill: flash kernel)"
         kernel = None if self.tuning.decode_kernel == "off" else paged_decode_kernel()
         why = ("off" if self.tuning.decode_kernel == "off" else

@@ -34,6 +34,12 @@ class PagedDecodeKernel:
     def vectorized(self) -> bool:
         return self.isa > 0
 
+    def int8_queries(self, head_dim: int) -> bool:
+        """Whether an int8 cache's keys are scored by integer dot products, the query quantized
+        per head to int8 as the cache's rows are (AVX512-VNNI builds, head_dim % 32 == 0)."""
+        query = getattr(self.library, "kiln_paged_decode_int8_queries", None)
+        return bool(query and query(head_dim))  # None: a source from before it (an A/B)
+
     def supports(self, dtype: torch.dtype, heads: int, head_dim: int) -> bool:
         return dtype in DTYPES and heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
 
@@ -101,6 +107,9 @@ def load_paged_decode(flags: tuple[str, ...], source: Path = SOURCE) -> PagedDec
 def _declare(library: ctypes.CDLL) -> None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.kiln_paged_decode_isa.restype = ctypes.c_int
+    if hasattr(library, "kiln_paged_decode_int8_queries"):
+        library.kiln_paged_decode_int8_queries.restype = ctypes.c_int
+        library.kiln_paged_decode_int8_queries.argtypes = [i64]
     library.kiln_write_int8.restype = None
     library.kiln_write_int8.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
     library.kiln_paged_decode.restype = None

@@ -113,14 +113,17 @@ inline __m256 vhalves(vf x) { return x; }
 #if defined(KILN_SIMD)
 // The 8 vectors' sums as one vector of 8 (a transposing add tree: one horizontal reduction
 // for 8 keys, where summing each alone costs 8)
-inline __m256 vsum8(const vf* a) {
-  const __m256 s01 = _mm256_hadd_ps(vhalves(a[0]), vhalves(a[1]));
-  const __m256 s23 = _mm256_hadd_ps(vhalves(a[2]), vhalves(a[3]));
-  const __m256 s45 = _mm256_hadd_ps(vhalves(a[4]), vhalves(a[5]));
-  const __m256 s67 = _mm256_hadd_ps(vhalves(a[6]), vhalves(a[7]));
+inline __m256 hsum8(const __m256* a) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
   const __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);
   return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
                        _mm256_permute2f128_ps(low, high, 0x31));
+}
+inline __m256 vsum8(const vf* a) {
+  __m256 halves[8];
+  for (int b = 0; b < 8; ++b) halves[b] = vhalves(a[b]);
+  return hsum8(halves);
 }
 #endif
 
@@ -159,6 +162,20 @@ inline float row_scale(const KV* row, int64_t d) {
   (void)row, (void)d;
   return 1.f;
 }
+// A row of d values quantized to int8 (kiln/attention/kv_int8.py's quantize, bit for bit: the
+// same float32 division and rounding to nearest even); returns its scale, max|x| / 127
+template <typename T>
+inline float quantize_row(const T* row, int64_t d, int8_t* dst) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
+  const float scale = amax / 127.f;
+  for (int64_t i = 0; i < d; ++i) {
+    const float q = scale > 0.f ? std::nearbyint(to_float(row[i]) / scale) : 0.f;
+    dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
+  }
+  return scale;
+}
+
 inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t d) {
 #if defined(__AVX512BF16__)
   if (d % 32 == 0) {
@@ -260,6 +277,82 @@ inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t
   return dot_f32(qf, k, d);
 }
 
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define KILN_INT8_DOTS 1
+// An int8 cache's keys scored by integer dot products (AVX512-VNNI), as llama.cpp scores its
+// q8_0 cache: the query is quantized per head as the cache is (q = qs * q8, qs = max|q| / 127)
+// and q8 . k summed exactly in int32, 32 products a vector instruction, where widening every
+// key vector to float32 for each query head was half the kernel's time. vpdpbusd multiplies
+// unsigned by signed bytes, so keys go in as k + 128 (their sign bit flipped) and 128 * sum(q8)
+// is taken off the sum.
+struct QuantizedQuery {
+  alignas(32) int8_t values[MAX_HEADS * 256];
+  float scale[MAX_HEADS];   // qs times the softmax scale
+  float offset[MAX_HEADS];  // 128 * sum(q8)
+};
+
+inline bool int8_dots(int64_t head_dim) { return head_dim % 32 == 0; }
+
+// part[g * 64 + lane] = the 8 int32 lanes of (k + 128) . q8_g for GS query heads of one KV head
+template <int GS>
+inline void int8_dot_group(const int8_t* q, const int8_t* k, int64_t d, float* part) {
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i acc[GS];
+  for (int g = 0; g < GS; ++g) acc[g] = _mm256_setzero_si256();
+  for (int64_t c = 0; c < d; c += 32) {
+    const __m256i kv = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + c)), flip);
+    for (int g = 0; g < GS; ++g)
+      acc[g] = _mm256_dpbusd_epi32(acc[g], kv, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + g * d + c)));
+  }
+  for (int g = 0; g < GS; ++g) _mm256_storeu_ps(part + g * 64, _mm256_cvtepi32_ps(acc[g]));
+}
+
+// s[i * TILE + j] = scale * qs_i * ks_j * (q8_i . k_j) over the tile's n keys of an int8 cache.
+// Every sum is an integer below 2^24, so its float32 is exact and the vector and scalar loops
+// give the same scores.
+inline void score_tile_int8(const QuantizedQuery& qq, const int8_t* kc, const int64_t* rows,
+                            int64_t n, const Shape& sh, float* s) {
+  const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, HS = sh.head_stride;
+  alignas(64) float part[MAX_HEADS * 64];  // head i, key b: 8 lanes at (i * 8 + b) * 8
+  alignas(32) float kscale[MAX_HEADS * 8];  // KV head h, key b
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    for (int b = 0; b < 8; ++b) {
+      const int8_t* row = kc + rows[j + b];
+      for (int64_t h = 0; h < sh.kv_heads; ++h) {
+        const int8_t* k = row + h * HS;
+        kscale[h * 8 + b] = row_scale(k, D);
+        for (int64_t g = 0; g < G; g += 4) {
+          const int8_t* q = qq.values + (h * G + g) * D;
+          float* pg = part + ((h * G + g) * 8 + b) * 8;
+          switch (std::min<int64_t>(4, G - g)) {
+            case 4: int8_dot_group<4>(q, k, D, pg); break;
+            case 3: int8_dot_group<3>(q, k, D, pg); break;
+            case 2: int8_dot_group<2>(q, k, D, pg); break;
+            default: int8_dot_group<1>(q, k, D, pg); break;
+          }
+        }
+      }
+    }
+    for (int64_t i = 0; i < H; ++i) {
+      __m256 sum[8];
+      for (int b = 0; b < 8; ++b) sum[b] = _mm256_loadu_ps(part + (i * 8 + b) * 8);
+      const __m256 dots = _mm256_sub_ps(hsum8(sum), _mm256_set1_ps(qq.offset[i]));
+      const __m256 scaled = _mm256_mul_ps(dots, _mm256_set1_ps(qq.scale[i]));
+      _mm256_storeu_ps(s + i * TILE + j, _mm256_mul_ps(scaled, _mm256_load_ps(kscale + (i / G) * 8)));
+    }
+  }
+  for (; j < n; ++j)
+    for (int64_t i = 0; i < H; ++i) {
+      const int8_t* k = kc + rows[j] + (i / G) * HS;
+      const int8_t* q = qq.values + i * D;
+      int32_t dot = 0;
+      for (int64_t c = 0; c < D; ++c) dot += int32_t(q[c]) * int32_t(k[c]);
+      s[i * TILE + j] = static_cast<float>(dot) * qq.scale[i] * row_scale(k, D);
+    }
+}
+#endif
+
 // s[i * TILE + j] = scale * q_i . k_j for every query head i and the tile's n keys (key j's
 // heads at kc + rows[j]). With vectors, keys go in blocks of 8: each key row is read whole and in
 // order (what the hardware prefetchers stream from memory), each head's products left unreduced
@@ -316,17 +409,15 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
 // the sums stay in registers over the 8 keys (loaded and stored once, not once per key)
 template <int GS, typename KV>
 inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) {
-  float vs[8];  // the rows' scales (int8), folded into the weights
-  for (int b = 0; b < 8; ++b) vs[b] = row_scale(v[b], d);
+  alignas(32) float w[GS * 8];  // the weights, int8 rows' scales folded in
+  for (int g = 0; g < GS; ++g)
+    for (int b = 0; b < 8; ++b) w[g * 8 + b] = p[g * TILE + b] * row_scale(v[b], d);
   for (int64_t c = 0; c < d; c += W) {
     vf a[GS];
     for (int g = 0; g < GS; ++g) a[g] = vload(acc + g * d + c);
     for (int b = 0; b < 8; ++b) {
       const vf vv = vload(v[b] + c);
-      if constexpr (std::is_same_v<KV, int8_t>)
-        for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b] * vs[b]), vv, a[g]);
-      else
-        for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(p[g * TILE + b]), vv, a[g]);
+      for (int g = 0; g < GS; ++g) a[g] = vfmadd(vset(w[g * 8 + b]), vv, a[g]);
     }
     for (int g = 0; g < GS; ++g) vstore(acc + g * d + c, a[g]);
   }
@@ -382,6 +473,16 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
     qf[i] = to_float(q[i]);
     from_float(qb + i, qf[i]);  // exact where q is bf16; unused where q is float32
   }
+#if defined(KILN_INT8_DOTS)
+  QuantizedQuery qq;
+  const bool by_int8 = std::is_same_v<KV, int8_t> && int8_dots(D);
+  for (int64_t i = 0; by_int8 && i < H; ++i) {
+    qq.scale[i] = quantize_row(qf + i * D, D, qq.values + i * D) * sh.scale;
+    int32_t total = 0;
+    for (int64_t c = 0; c < D; ++c) total += qq.values[i * D + c];
+    qq.offset[i] = 128.f * static_cast<float>(total);
+  }
+#endif
   std::fill(m, m + H, NEG_INF);
   std::fill(l, l + H, 0.f);
   std::fill(acc, acc + H * D, 0.f);
@@ -391,7 +492,12 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
     // the next tile's rows follow this one's, so the loops can ask for keys 8 ahead across tiles
     const int64_t n_next = t + TILE < t1 ? std::min(TILE, t1 - t - TILE) : 0;
     if (n_next) tile_rows(table, t + TILE, n_next, sh.block_size, row_elems, rows + n);
-    score_tile<Q>(qf, qb, kc, rows, n, sh, s);
+    bool scored = false;
+#if defined(KILN_INT8_DOTS)
+    if constexpr (std::is_same_v<KV, int8_t>)
+      if (by_int8) score_tile_int8(qq, kc, rows, n, sh, s), scored = true;
+#endif
+    if (!scored) score_tile<Q>(qf, qb, kc, rows, n, sh, s);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);
@@ -445,9 +551,8 @@ void decode(const T* q, const KV* kc, const KV* vc, const int32_t* tables, const
 }
 
 // Rows x [n, heads, d] (float32 or bf16) quantized into an int8 cache at their slots: per head
-// row d values round(x / scale), scale = max|x| / 127, then the scale's four bytes (as
-// kiln/attention/kv_int8.py's quantize, bit for bit: the same float32 division and rounding to
-// nearest even). One call per layer and K/V where the PyTorch ops took about ten.
+// row d values round(x / scale), scale = max|x| / 127, then the scale's four bytes
+// (quantize_row). One call per layer and K/V where the PyTorch ops took about ten.
 template <typename T>
 void write_int8(const T* x, const int64_t* slots, int64_t n, int64_t heads, int64_t d,
                 int8_t* cache) {
@@ -456,13 +561,7 @@ void write_int8(const T* x, const int64_t* slots, int64_t n, int64_t heads, int6
     for (int64_t h = 0; h < heads; ++h) {
       const T* row = x + (t * heads + h) * d;
       int8_t* dst = cache + (slots[t] * heads + h) * stride;
-      float amax = 0.f;
-      for (int64_t i = 0; i < d; ++i) amax = std::max(amax, std::fabs(to_float(row[i])));
-      const float scale = amax / 127.f;
-      for (int64_t i = 0; i < d; ++i) {
-        const float q = scale > 0.f ? std::nearbyint(to_float(row[i]) / scale) : 0.f;
-        dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
-      }
+      const float scale = quantize_row(row, d, dst);
       std::memcpy(dst + d, &scale, 4);
     }
 }
@@ -482,6 +581,17 @@ void kiln_write_int8(int dtype, const void* x, const int64_t* slots, int64_t n, 
                static_cast<int8_t*>(cache));
 }
 
+
+// 1 where an int8 cache's keys of head_dim are scored by integer dot products, the query
+// quantized per head to int8 (AVX512-VNNI builds, head_dim a multiple of 32), else 0
+int kiln_paged_decode_int8_queries(int64_t head_dim) {
+#if defined(KILN_INT8_DOTS)
+  return int8_dots(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
 
 // 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
