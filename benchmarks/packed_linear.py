@@ -11,7 +11,12 @@ float32 rows, split in two bf16 rows (a float32 model's path where kiln's kernel
 `dequant+mm` the weight dequantized to bf16 and one bf16 matmul (a bf16 model from 256 rows);
 `onednn bf16` and `onednn f32` the dense linears of `--quantization none`. Weights are random;
 every call reads the same weight, so these are cache-warm kernel times (a whole model's step
-streams its weights from memory: benchmarks/decode_step.py)."""
+streams its weights from memory: benchmarks/decode_step.py). `kiln f32 mem` is kiln's kernel
+over distinct weights in turn, 96 MB of them, so each call reads its weight from memory as a
+decode step does (one row: within 12% of cache-warm on the AVX-512 dev CPU, so the kernel
+is bound by its instructions there).
+
+    python benchmarks/packed_linear.py --rows 1 --from-memory"""
 
 from __future__ import annotations
 
@@ -55,7 +60,21 @@ def _packed(n: int, k: int, planes: int) -> PackedInt4:
     return PackedInt4(QuantizedTensor("bench", [plane] * planes), torch.device("cpu"))
 
 
-def measure(n: int, k: int, rows: int, iters: int) -> dict[str, float]:
+def _from_memory(kernel, n: int, k: int, x32: torch.Tensor, iters: int) -> float:
+    """us per call over distinct weights in turn, more of them than the caches hold."""
+    copies = min(512, max(2, 96_000_000 // (n * k // 2 + n * k // 32 * 4)))
+    planes = [_packed(n, k, 1) for _ in range(copies)]
+    calls = [(p.packed0, p.scales_zeros0) for p in planes]
+    block = cpu_block_n()
+
+    def one_pass():
+        for packed, sz in calls:
+            kernel.matmul(x32, packed, sz, 32, block)
+
+    return _time(one_pass, max(1, iters // copies)) / copies
+
+
+def measure(n: int, k: int, rows: int, iters: int, from_memory: bool = False) -> dict[str, float]:
     one, two = _packed(n, k, 1), _packed(n, k, 2)
     dense = torch.randn(n, k)
     x32 = torch.randn(rows, k)
@@ -75,6 +94,8 @@ def measure(n: int, k: int, rows: int, iters: int) -> dict[str, float]:
     }
     if (kernel := int4_matmul_kernel()) is not None:
         row["kiln f32"] = _time(lambda: kernel.matmul(x32, one.packed0, sz, 32, cpu_block_n()), its)
+        if from_memory:
+            row["kiln f32 mem"] = _from_memory(kernel, n, k, x32, its)
     row["kiln x2"] = _time(lambda: two(x32), its)
     row["dequant+mm"] = _time(lambda: x16 @ cpu_dequantize_t(one.packed0, sz, 32), its)
     if p16 is not None:
@@ -88,13 +109,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 16, 256, 512])
     parser.add_argument("--iters", type=int, default=200)
+    parser.add_argument("--from-memory", action="store_true", help="add `kiln f32 mem`")
     args = parser.parse_args()
     header = None
     for name, n, k in SHAPES:
         for rows in args.rows:
             if name == "lm_head" and rows > 16:
                 continue  # the head only sees the rows that sample
-            row = measure(n, k, rows, args.iters)
+            row = measure(n, k, rows, args.iters, args.from_memory)
             if header is None:
                 header = list(row)
                 print(f"{'shape':>16} {'rows':>5}" + "".join(f"{h:>13}" for h in header))
