@@ -159,9 +159,11 @@ class PackedInt4(nn.Module):
                 scales_zeros[1] if second else None, self.dense, self.group_size,
             )  # fmt: skip
         elif rows.device.type == "cpu":
-            y = torch.ops.kiln.int4_mm(rows, packed[0], scales_zeros[0], self.group_size)
-            if len(packed) == 2:
-                y = y + torch.ops.kiln.int4_mm(rows, packed[1], scales_zeros[1], self.group_size)
+            second = len(packed) == 2
+            y = torch.ops.kiln.int4_mm(
+                rows, packed[0], scales_zeros[0], self.group_size,
+                packed[1] if second else None, scales_zeros[1] if second else None,
+            )  # fmt: skip
         else:
             y = _tinygemm(rows, packed, scales_zeros, self.group_size)
         y = y[:, : self.out_features].to(x.dtype)
@@ -242,17 +244,35 @@ def _tinygemm(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
 
 
 def int4_matmul(
-    rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int
+    rows: torch.Tensor,
+    packed: torch.Tensor,
+    scales_zeros: torch.Tensor,
+    group_size: int,
+    packed1: torch.Tensor | None = None,
+    scales_zeros1: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """CPU, [R, K] rows times one packed plane -> [R, N padded] in float32 (float32 rows) or
-    bf16. Below DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32
-    rows split in two), each row computed alone; from there the weight dequantized to the rows'
-    dtype and one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
-    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
+    """CPU, [R, K] rows times one packed plane (and a second one, Q8_0's, added in float32
+    before the result is rounded) -> [R, N padded] in float32 (float32 rows) or bf16. Below
+    DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32 rows split in
+    two), each row computed alone; from there the weight dequantized to the rows' dtype and
+    one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
+    second = [(packed1, scales_zeros1)] if packed1 is not None else []
     if rows.shape[0] < DEQUANT_MIN_ROWS and (kernel := int4_matmul_kernel()) is not None:
-        y = kernel.matmul(rows.float().contiguous(), packed, scales_zeros, group_size,
-                          cpu_block_n() or CPU_BLOCKS[0])  # fmt: skip
+        x, block = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0]
+        y = kernel.matmul(x, packed, scales_zeros, group_size, block)
+        for p, sz in second:
+            kernel.matmul(x, p, sz, group_size, block, out=y)
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
+    if second:  # the planes' float32 sum, rounded once: as the dense copy and the kernel
+        y = _int4_matmul_plane(rows, packed, scales_zeros, group_size).float()
+        y += _int4_matmul_plane(rows, packed1, scales_zeros1, group_size).float()
+        return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
+    return _int4_matmul_plane(rows, packed, scales_zeros, group_size)
+
+
+def _int4_matmul_plane(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
+    """int4_matmul's paths without kiln's kernel, one plane."""
+    mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     if rows.dtype == torch.float32:
         if rows.shape[0] >= DEQUANT_MIN_ROWS:
             return rows @ cpu_dequantize_t(packed, scales_zeros, group_size, torch.float32)
@@ -270,11 +290,14 @@ def int4_matmul(
 # model took 65 ms a step against 13 eager: the time sat in the attention op's own (Python)
 # time, not in any kernel; left for the decode-step work (docs/performance.md).
 _LIB = torch.library.Library("kiln", "FRAGMENT")
-_LIB.define("int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size) -> Tensor")
+_LIB.define(
+    "int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size, "
+    "Tensor? packed1=None, Tensor? scales_zeros1=None) -> Tensor"
+)
 _LIB.impl("int4_mm", int4_matmul, "CompositeExplicitAutograd")
 torch.library.register_fake(
     "kiln::int4_mm",
-    lambda rows, packed, scales_zeros, group_size: rows.new_empty(
+    lambda rows, packed, scales_zeros, group_size, packed1=None, scales_zeros1=None: rows.new_empty(
         rows.shape[0],
         scales_zeros.shape[1],
         dtype=torch.float32 if rows.dtype == torch.float32 else torch.bfloat16,

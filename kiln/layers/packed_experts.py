@@ -150,10 +150,8 @@ def _expert_product(
     packed planes, summed."""
     if not scales_zeros:
         return F.linear(rows, weight[0][expert])
-    y = functools.reduce(torch.add, (
-        int4_matmul(rows, p[expert], sz[expert], group_size)
-        for p, sz in zip(weight, scales_zeros)
-    ))  # fmt: skip
+    second = (weight[1][expert], scales_zeros[1][expert]) if len(weight) == 2 else (None, None)
+    y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], group_size, *second)
     return y[:, :out_features].to(rows.dtype)
 
 
