@@ -13,8 +13,8 @@ float32 rows, split in two bf16 rows (a float32 model's path where kiln's kernel
 every call reads the same weight, so these are cache-warm kernel times (a whole model's step
 streams its weights from memory: benchmarks/decode_step.py). `kiln f32 mem` is kiln's kernel
 over distinct weights in turn, 96 MB of them, so each call reads its weight from memory as a
-decode step does (one row: within 12% of cache-warm on the AVX-512 dev CPU, so the kernel
-is bound by its instructions there).
+decode step does (one row: 11-28% slower than cache-warm on the AVX-512 dev CPU, 22 GB/s
+where the machine reads 32.7, so the kernel is mostly bound by its instructions there).
 
     python benchmarks/packed_linear.py --rows 1 --from-memory"""
 
