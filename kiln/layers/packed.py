@@ -256,18 +256,29 @@ def int4_matmul(
     DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32 rows split in
     two), each row computed alone; from there the weight dequantized to the rows' dtype and
     one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
-    second = [(packed1, scales_zeros1)] if packed1 is not None else []
+    planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if rows.shape[0] < DEQUANT_MIN_ROWS and (kernel := int4_matmul_kernel()) is not None:
-        x, block = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0]
-        y = kernel.matmul(x, packed, scales_zeros, group_size, block)
-        for p, sz in second:
-            kernel.matmul(x, p, sz, group_size, block, out=y)
+        y = _kernel_product(kernel, rows, planes, group_size)
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
-    if second:  # the planes' float32 sum, rounded once: as the dense copy and the kernel
+    if packed1 is not None:  # the planes' float32 sum, rounded once, as the kernel's
         y = _int4_matmul_plane(rows, packed, scales_zeros, group_size).float()
         y += _int4_matmul_plane(rows, packed1, scales_zeros1, group_size).float()
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
     return _int4_matmul_plane(rows, packed, scales_zeros, group_size)
+
+
+def _planes(packed, scales_zeros, packed1, scales_zeros1) -> list:
+    """[(codes, scales and zeros)] of one plane, or two (Q8_0)."""
+    return [(packed, scales_zeros)] + ([(packed1, scales_zeros1)] if packed1 is not None else [])
+
+
+def _kernel_product(kernel, rows: torch.Tensor, planes, group_size: int) -> torch.Tensor:
+    """float32 rows times the planes through kiln's kernel, each added into the first's
+    float32 output (rounded by the caller once)."""
+    x, block, y = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0], None
+    for packed, scales_zeros in planes:
+        y = kernel.matmul(x, packed, scales_zeros, group_size, block, out=y)
+    return y
 
 
 def _int4_matmul_plane(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
@@ -321,17 +332,12 @@ def _int4_or_dense_mm(
     does no more than it must."""
     if rows.shape[0] >= DENSE_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
+    planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if (kernel := int4_matmul_kernel()) is not None:
-        block, x = cpu_block_n() or CPU_BLOCKS[0], rows.float().contiguous()
-        y = kernel.matmul(x, packed, scales_zeros, group_size, block)
-        if packed1 is not None:
-            kernel.matmul(x, packed1, scales_zeros1, group_size, block, out=y)
-        return y.to(dense.dtype)
+        return _kernel_product(kernel, rows, planes, group_size).to(dense.dtype)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
-    half = rows.to(torch.bfloat16)
-    y = mm(half, packed, group_size, scales_zeros)
-    if packed1 is not None:
-        y = y + mm(half, packed1, group_size, scales_zeros1)
+    half = rows.to(torch.bfloat16)  # the planes' products summed in float32, rounded once
+    y = functools.reduce(torch.add, (mm(half, p, group_size, sz).float() for p, sz in planes))
     return y.to(dense.dtype)
 
 
