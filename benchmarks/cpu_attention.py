@@ -1,11 +1,12 @@
 """The CPU attention backends side by side, the op alone (one layer's call, cache write included,
 then the step's metadata, built once for all layers, in its own column): the
 pure-PyTorch reference `torch` (gathers every key into a fresh copy), `cpu-flash` (reads runs of
-the paged cache in place with the flash kernel, merges them by log-sum-exp) and `cpu` (the same,
-decode rows through the C++ kernel). Cases: decode batches at growing contexts,
-and a 512-token prefill chunk after a long context. Each request's blocks are consecutive
-(`--layout contiguous`, what the allocator hands a request on a fresh cache) or a random
-permutation (`--layout fragmented`, the worst case: every run one block long).
+the paged cache in place with the flash kernel, merges them by log-sum-exp) and `cpu` (decode
+rows and prefill chunks through kiln's C++ kernels). Cases: decode batches at growing contexts,
+a 512-token prefill chunk after a long context, and 16 decodes beside a chunk (a mixed step).
+Each request's blocks are consecutive (`--layout contiguous`, what the allocator hands a request
+on a fresh cache) or a random permutation (`--layout fragmented`, the worst case: every run one
+block long).
 
     python benchmarks/cpu_attention.py                          # SmolLM2's heads, float32
     python benchmarks/cpu_attention.py --shape qwen3-0.6b --dtype bfloat16
@@ -30,6 +31,7 @@ SHAPES = {"smollm2": (9, 3, 64), "qwen3-0.6b": (16, 8, 128)}  # heads, KV heads,
 DECODE_CASES = [(1, 1024), (1, 4096), (1, 16384), (1, 32768), (16, 512), (16, 2048),
                 (16, 4096), (64, 512), (4, 16384)]  # fmt: skip
 PREFILL_CONTEXTS = [0, 4096, 16384]
+MIXED = (16, 512)  # decodes beside a chunk, each decode's context
 CHUNK = 512
 
 
@@ -102,16 +104,21 @@ def main() -> None:
         default="auto",
         help="the cpu column's C++ decode kernel (on: even where not vectorised)",
     )
+    ap.add_argument("--prefill-kernel", choices=("auto", "off"), default="auto",
+                    help="the cpu column's C++ prefill kernel")  # fmt: skip
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = ap.parse_args()
     keep_freed_memory()  # as the engine does on the CPU: no fresh pages for every gather
     dtype = getattr(torch, args.dtype)
     tuning = CpuAttentionTuning(args.gather_max_bytes, args.gather_budget_bytes, args.min_run,
-                                args.part_tokens, args.max_parts, args.decode_kernel)  # fmt: skip
+                                args.part_tokens, args.max_parts, args.decode_kernel,
+                                args.prefill_kernel)  # fmt: skip
     shape = AttentionShape(*SHAPES[args.shape])
     backends = {
         "torch": TorchPagedAttentionBackend(dtype),
-        "cpu-flash": CpuPagedAttentionBackend(dtype, shape, replace(tuning, decode_kernel="off")),
+        "cpu-flash": CpuPagedAttentionBackend(
+            dtype, shape, replace(tuning, decode_kernel="off", prefill_kernel="off")
+        ),
         "cpu": CpuPagedAttentionBackend(dtype, shape, tuning),
     }
     gen = torch.Generator().manual_seed(0)
@@ -126,6 +133,9 @@ def main() -> None:
     if args.only != "decode":
         for ctx in PREFILL_CONTEXTS:
             _case(f"prefill {CHUNK} after {ctx}", [(CHUNK, ctx)], args, backends, gen)
+        rows, ctx = MIXED
+        _case(f"{rows} decodes x {ctx} + prefill {CHUNK}", [(1, ctx - 1)] * rows + [(CHUNK, 0)],
+              args, backends, gen)  # fmt: skip
 
 
 if __name__ == "__main__":

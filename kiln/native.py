@@ -3,8 +3,9 @@ ctypes (the decode-attention kernel, the int4 matmul).
 
 Built, not shipped: `-march=native` gives a kernel the CPU's AVX-512 and AVX512-BF16, or AVX2
 and FMA, where they exist, and the compiler it needs is the one Inductor already needs for mode
-3 on the CPU. A library is cached under kiln's cache directory, keyed by its source, the flags,
-the compiler's version and the CPU's flags, so a boot after the first only loads it."""
+3 on the CPU. A library is cached under kiln's cache directory, keyed by its source, the headers
+beside it, the flags, the compiler's version and the CPU's flags, so a boot after the first only
+loads it."""
 
 from __future__ import annotations
 
@@ -26,8 +27,9 @@ def built_library(source: Path, flags: tuple[str, ...]) -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
     key = hashlib.sha256()
-    for part in (source.read_bytes(), " ".join(flags).encode(), version.stdout.encode(),
-                 _cpu_flags().encode()):  # fmt: skip
+    headers = sorted(source.parent.glob("*.h"))  # what the source may include beside it
+    parts = [source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(flags).encode()]
+    for part in (*parts, version.stdout.encode(), _cpu_flags().encode()):
         key.update(part)
     path = Path(kiln_cache_dir()) / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
     if path.is_file():

@@ -3,10 +3,12 @@ log-sum-exp) against the pure-PyTorch reference backend and against attention by
 float64: decode rows and chunked prefill, contexts ending mid-block and on block edges, GQA
 ratios and head dims, prefix hits, padding rows, and the cache it writes. Every path of the op
 (in place, gathered fragments, split decode runs, batched short decodes) is forced by its
-tuning on small shapes, and the C++ decode kernel (both its builds: this machine's and the
-portable one) through the same comparisons."""
+tuning on small shapes, and the C++ kernels (decode rows and prefill chunks, every build this
+CPU runs) through the same comparisons."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -28,23 +30,23 @@ from kiln.runner.input_buffers import BatchRow, InputBuffers
 
 BS, NUM_BLOCKS = 4, 96
 KEY_BYTES = 128  # one token's keys in float32: 2 x 16, 4 x 8 and 1 x 32 KV heads x head dim
-# the flash-kernel paths, decode rows included (decode_kernel off)
-ALL_IN_PLACE = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=1 << 20,
-                                  decode_kernel="off")  # fmt: skip
-SPLIT = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=3, max_parts=4,
-                           decode_kernel="off")  # fmt: skip
-FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max_bytes=0, min_run=3 * BS, decode_kernel="off")
+# the flash-kernel paths, decode rows and prefill chunks (both C++ kernels off)
+FLASH = {"decode_kernel": "off", "prefill_kernel": "off"}
+ALL_IN_PLACE = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=1 << 20, **FLASH)
+SPLIT = CpuAttentionTuning(gather_max_bytes=0, min_run=1, part_tokens=3, max_parts=4, **FLASH)
+FRAGMENTS_GATHERED = CpuAttentionTuning(gather_max_bytes=0, min_run=3 * BS, **FLASH)
 SHORT_DECODES_BATCHED = CpuAttentionTuning(
-    gather_max_bytes=16 * KEY_BYTES, gather_budget_bytes=40 * KEY_BYTES, min_run=1,
-    decode_kernel="off",
-)  # fmt: skip
-KERNEL = CpuAttentionTuning(decode_kernel="on")  # decode rows through the C++ kernel
+    gather_max_bytes=16 * KEY_BYTES, gather_budget_bytes=40 * KEY_BYTES, min_run=1, **FLASH
+)
+KERNEL = CpuAttentionTuning(decode_kernel="on")  # decode rows and prefill chunks in C++
+PREFILL_KERNEL = CpuAttentionTuning(decode_kernel="off", gather_max_bytes=0, min_run=1)
 TUNINGS = {
     "in_place": ALL_IN_PLACE,
     "split": SPLIT,
     "gathered": FRAGMENTS_GATHERED,
     "batched": SHORT_DECODES_BATCHED,
     "kernel": KERNEL,
+    "prefill_kernel": PREFILL_KERNEL,  # decode rows on the flash paths, chunks in C++
     "default": CpuAttentionTuning(),
 }
 # (query length, keys already cached): decodes first, then a fresh prompt, then chunks with a
@@ -114,7 +116,7 @@ def test_matches_attention_by_hand(tuning, contiguous, shape):
     torch.testing.assert_close(out.double(), _by_hand(caches, q, layout), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tuning", ["in_place", "split", "gathered", "kernel"])
+@pytest.mark.parametrize("tuning", ["in_place", "split", "gathered", "kernel", "prefill_kernel"])
 def test_bfloat16_matches_the_reference_backend(tuning):
     caches, q, k, v, layout = _batch(6, 2, 16, torch.bfloat16, contiguous=False)
     ref_caches = caches.clone()
@@ -169,7 +171,7 @@ def test_cache_writes_equal_the_reference_backend():
     assert not torch.equal(caches, _batch(6, 2, 16, torch.float32, contiguous=False)[0])
 
 
-@pytest.mark.parametrize("tuning", ["in_place", "batched", "kernel"])
+@pytest.mark.parametrize("tuning", ["in_place", "batched", "kernel", "prefill_kernel"])
 def test_padding_rows_become_zeros_and_change_nothing(tuning):
     backend = _backend(torch.float32, TUNINGS[tuning])
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=True)
@@ -259,21 +261,37 @@ def test_a_long_decode_run_is_split_into_parts_and_its_leftover_gathered():
 # ---- the C++ decode kernel --------------------------------------------------------------------
 
 
-def test_decode_rows_go_to_the_kernel_whole():
-    """With the kernel, every decode row is its row (table and length), none a piece or a
-    gathered row; the prefill rows keep their pieces."""
+def test_decode_rows_and_chunks_go_to_the_kernels_whole():
+    """With the kernels, every decode row is its row (table and length) and every prefill chunk
+    its request (table, query tokens, keys with its own), none a piece or a gathered row; with
+    the prefill kernel off, the chunks keep their pieces."""
     layout = _batch(6, 2, 16, torch.float32, contiguous=False)[-1]
-    meta = _backend(torch.float32, KERNEL).metadata_builder(64, torch.device("cpu")).build(layout)
+    backend = _backend(torch.float32, KERNEL)
+    if not backend.prefill_kernel:
+        pytest.skip("the C++ kernels have no vector build on this CPU (no AVX2 or AVX-512)")
+    meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
     assert meta.kernel_lens.tolist() == [f + 1 for f in FIRSTS[:NUM_DECODES]]
     assert torch.equal(meta.kernel_tables, layout.block_tables[:NUM_DECODES].int())
     assert meta.gathered_rows.numel() == 0
+    assert meta.pieces.numel() == 0
+    chunks = slice(NUM_DECODES, len(Q_LENS))
+    assert meta.prefill_lens.tolist() == [f + n for f, n in zip(FIRSTS[chunks], Q_LENS[chunks])]
+    assert meta.prefill_starts.tolist() == layout.query_start_loc[NUM_DECODES:9].tolist()
+    assert torch.equal(meta.prefill_tables, layout.block_tables[chunks].int())
+    decodes_only = replace(KERNEL, prefill_kernel="off")
+    meta = _backend(torch.float32, decodes_only).metadata_builder(64, torch.device("cpu"))
+    meta = meta.build(layout)
+    assert meta.prefill_lens.numel() == 0
     assert {p[0] for p in meta.pieces.tolist()} == set(range(NUM_DECODES, len(Q_LENS)))
 
 
-def test_a_decode_only_step_through_the_kernel_copies_no_keys():
+@pytest.mark.parametrize("decode_only", [True, False], ids=["decodes", "decodes and chunks"])
+def test_a_step_through_the_kernels_copies_no_keys(decode_only):
     caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
+    if decode_only:
+        q, k, v, layout = q[:4], k[:4], v[:4], _decodes(layout)
     with profile() as prof:
-        _run(_backend(torch.float32, KERNEL), caches, q[:4], k[:4], v[:4], _decodes(layout))
+        _run(_backend(torch.float32, KERNEL), caches, q, k, v, layout)
     names = {e.key: e.count for e in prof.key_averages()}
     assert names.get("aten::index_select", 0) == 0
     assert names.get("aten::_scaled_dot_product_flash_attention_for_cpu", 0) == 0
@@ -362,6 +380,8 @@ def _kernel_build(build: str):
     # integer dot products for int8 keys exactly where the build has AVX512-VNNI
     vnni = build == "avx512-vnni" or (build == "native" and "avx512_vnni" in cpu_flags)
     assert kernel.int8_queries(64) == vnni and not kernel.int8_queries(48)
+    # prefill chunks where the build has vectors and the head dim is a multiple of 8
+    assert kernel.prefill_supported(64) == (isa > 0) and not kernel.prefill_supported(12)
     return kernel
 
 
@@ -401,9 +421,53 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
         torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
+@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (12, 2, 32), (6, 6, 16)], ids=str)
+@pytest.mark.parametrize("build", ["native", "avx512", "avx2"])
+def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build):
+    """Prefill chunks of 70, 33, 1 and 16 tokens after 0, 45, 300 and 16 cached keys, in one
+    call, over fragmented blocks of 16: work items of 16 rows (8 on AVX2) of (token, query head)
+    that end mid-chunk, key tiles across the causal diagonal and ending mid-tile, a lone token,
+    query-head groups of 3, 8, 6 and 1, real models' head dims (SmolLM2's 9/3 x 64, Qwen3's
+    16/8 x 128); float32, bf16 and float32 queries over a bf16 cache, against float64 by
+    hand."""
+    heads, kv_heads, dim = shape
+    kernel = _kernel_build(build)
+    dtype, kv_dtype = _kernel_types(dtype)
+    g = torch.Generator().manual_seed(5)
+    tokens, cached, block_size = [70, 33, 1, 16], [0, 45, 300, 16], 16
+    lens = [c + n for c, n in zip(cached, tokens)]
+    need = [-(-n // block_size) for n in lens]
+    order = torch.randperm(sum(need), generator=g).int()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for row, table in enumerate(order.split(need)):
+        tables[row, : len(table)] = table
+    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g).to(kv_dtype)
+    q = torch.randn(sum(tokens), heads, dim, generator=g).to(dtype)
+    starts = torch.tensor([0, *np.cumsum(tokens)], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    kernel.prefill(q, caches[0], caches[1], tables, starts, torch.tensor(lens, dtype=torch.int32),
+                   out, dim**-0.5)  # fmt: skip
+    for row, (first, n) in enumerate(zip(cached, tokens)):
+        pos = torch.arange(first + n)
+        slots = tables[row, pos // block_size].long() * block_size + pos % block_size
+        keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
+        keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
+        chunk = q[starts[row] : starts[row + 1]].double()
+        scores = torch.einsum("thd,khd->htk", chunk, keys) * dim**-0.5
+        hidden = pos[None, :] > first + torch.arange(n)[:, None]  # keys past a token's position
+        p = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+        want = torch.einsum("htk,khd->thd", p, values)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+        torch.testing.assert_close(out[starts[row] : starts[row + 1]].double(), want, rtol=tol,
+                                   atol=tol)  # fmt: skip
+
+
 def test_an_unknown_decode_kernel_choice_is_refused():
     with pytest.raises(ValueError, match='"auto", "on" or "off"'):
         _backend(torch.float32, CpuAttentionTuning(decode_kernel="yes"))
+    with pytest.raises(ValueError, match='"auto" or "off"'):
+        _backend(torch.float32, CpuAttentionTuning(prefill_kernel="on"))
 
 
 def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
@@ -421,14 +485,19 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     assert with_kernel.decode_kernel == cpu_kernel.paged_decode_kernel().vectorized
     # `kiln info` and /v1/engine say which kernels were taken, and why not
     assert flash.describe() == "cpu-flash (flash kernel throughout; the C++ decode kernel: off)"
+    assert not flash.prefill_kernel
     if with_kernel.decode_kernel:
         assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX")
+        assert with_kernel.describe().endswith("; prefill: C++ kernel)")
+        assert with_kernel.prefill_kernel
     fp16 = select_backend("cpu", cpu, BS, shape, torch.float16)
     assert "not for this dtype or head shape" in fp16.describe()
     # an int8 cache says when its keys are scored with quantized queries (VNNI builds)
     int8 = select_backend("cpu", cpu, BS, shape, torch.float32, torch.int8)
     vnni = int8.decode_kernel and cpu_kernel.paged_decode_kernel().int8_queries(64)
     assert ("int8 queries" in int8.describe()) == vnni
+    # the prefill kernel reads float32 and bf16 caches only: an int8 one's chunks take flash
+    assert not int8.prefill_kernel and int8.describe().endswith("prefill: flash kernel)")
 
 
 def test_the_kernel_a_b_benchmark_times_two_builds_on_the_same_inputs():

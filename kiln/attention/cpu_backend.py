@@ -1,13 +1,17 @@
 """Paged attention for the CPU that reads keys and values where they lie in the paged cache.
 
-Attention over a request's cached keys does not depend on their order, so the step's metadata
-sorts each request's blocks and cuts them into runs of consecutive block ids: every run is one
-contiguous range of cache slots, which the CPU's flash kernel reads through a strided view, no
-copy. Each run returns its output and log-sum-exp, and the runs of a request are merged by their
-log-sum-exp (online softmax). A long decode run is also cut into equal parts that ride as the
-kernel's batch (its threads split batch x heads, and a decode row has only its KV heads, so few
-work items; parts of 1k keys also stay in cache): the split flash-decoding uses. A prefill
-chunk adds one causal call over its own keys, which it holds contiguously as inputs.
+Where kiln's C++ kernels are built, decode rows (csrc/paged_decode.cpp) and prefill chunks
+(csrc/prefill.h) go through them: they read the cache through the block tables. The rest (an
+int8 cache's prefill, builds without vectors, `--attention-backend cpu-flash`) takes torch's
+flash kernel as follows. Attention over a request's cached keys does not depend on their order,
+so the step's metadata sorts each request's blocks and cuts them into runs of consecutive block
+ids: every run is one contiguous range of cache slots, which the flash kernel reads through a
+strided view, no copy. Each run returns its output and log-sum-exp, and the runs of a request
+are merged by their log-sum-exp (online softmax). A long decode run is also cut into equal parts
+that ride as the kernel's batch (its threads split batch x heads, and a decode row has only its
+KV heads, so few work items; parts of 1k keys also stay in cache): the split flash-decoding
+uses. A prefill chunk adds one causal call over its own keys, which it holds contiguously as
+inputs.
 
 Two cases still gather, where copying costs less than a call per piece: runs shorter than
 `min_run` tokens (a fragmented cache) are gathered into one piece per request, and decode rows
@@ -48,7 +52,8 @@ _LIB.define(
     "cpu_paged_attention(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, "
     "Tensor(c!) out, Tensor slot_mapping, Tensor query_start_loc, Tensor gathered_rows, "
     "Tensor decode_slots, Tensor decode_bias, Tensor pieces, Tensor piece_slots, "
-    "Tensor kernel_tables, Tensor kernel_lens, float scale) -> ()"
+    "Tensor kernel_tables, Tensor kernel_lens, Tensor prefill_tables, Tensor prefill_starts, "
+    "Tensor prefill_lens, float scale) -> ()"
 )
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
 
@@ -73,6 +78,10 @@ class CpuAttentionTuning:
     # with AVX2 or AVX-512 (1.1-4.7x the flash kernel's paths, docs/performance.md), "on" also
     # with its portable loops, "off" never
     decode_kernel: str = "auto"
+    # prefill chunks through the C++ prefill kernel (csrc/prefill.h): "auto" where it was built
+    # vectorised for the head dim and the cache is float32 or bf16 (2.2-2.6x torch's flash
+    # kernel on a 512-token chunk, docs/performance.md), "off" never
+    prefill_kernel: str = "auto"
 
 
 def _stacked(q: torch.Tensor, hkv: int) -> torch.Tensor:
@@ -166,19 +175,24 @@ def cpu_paged_attention(
     piece_slots: torch.Tensor,
     kernel_tables: torch.Tensor,
     kernel_lens: torch.Tensor,
+    prefill_tables: torch.Tensor,
+    prefill_starts: torch.Tensor,
+    prefill_lens: torch.Tensor,
     scale: float,
 ) -> None:
     """Writes this step's keys and values into the caches and the attention output into `out`
     [T, H * D] (rows past the batch's tokens, padding, become zeros). The first
-    `len(kernel_lens)` rows, decode rows, go through the C++ kernel."""
+    `len(kernel_lens)` rows, decode rows, go through the C++ decode kernel; the requests
+    `prefill_lens` counts, prefill chunks, through its prefill kernel."""
     hkv, d = k_cache.shape[2:]
     k_flat, v_flat = k_cache.view(-1, hkv, d), v_cache.view(-1, hkv, d)
     starts = query_start_loc.tolist()
     n_tokens = starts[-1]
     k, v, slot_mapping = k[:n_tokens], v[:n_tokens], slot_mapping[:n_tokens]
     n_kernel, n_gathered = kernel_lens.shape[0], gathered_rows.shape[0]
-    decode_only = q.shape[0] in (n_kernel, n_gathered)  # no chunk reads its own keys
-    k, v = _write(k_flat, v_flat, slot_mapping, k, v, keep=not decode_only)
+    piece_list = pieces.tolist()
+    own_keys = any(kind == OWN_CAUSAL for _, kind, *_ in piece_list)  # a chunk on the flash path
+    k, v = _write(k_flat, v_flat, slot_mapping, k, v, keep=own_keys)
     if n_kernel:
         kernel = paged_decode_kernel()
         if kernel is None:  # the builder asks for it only once it is built
@@ -187,6 +201,12 @@ def cpu_paged_attention(
         kernel.run(q[:n_kernel], k_cache, v_cache, kernel_tables, kernel_lens, rows, scale)
         if n_kernel == q.shape[0]:
             return
+    if prefill_lens.shape[0]:
+        kernel = paged_decode_kernel()
+        if kernel is None:
+            raise RuntimeError("the CPU prefill-attention kernel is not available")
+        kernel.prefill(q, k_cache, v_cache, prefill_tables, prefill_starts, prefill_lens,
+                       out.view(q.shape), scale)  # fmt: skip
     if n_gathered == q.shape[0]:  # only short decodes, no padding: the common small step
         out.copy_(gathered_decode(q, k_flat, v_flat, decode_slots, decode_bias, scale))
         return
@@ -195,7 +215,7 @@ def cpu_paged_attention(
         rows = gathered_decode(q.index_select(0, gathered_rows), k_flat, v_flat, decode_slots,
                                decode_bias, scale)  # fmt: skip
         out.index_copy_(0, gathered_rows, rows)
-    for row, row_pieces in itertools.groupby(pieces.tolist(), key=lambda p: p[0]):
+    for row, row_pieces in itertools.groupby(piece_list, key=lambda p: p[0]):
         a, b = starts[row], starts[row + 1]
         out[a:b] = _attend_row(q[a:b], k[a:b], v[a:b], k_flat, v_flat, list(row_pieces),
                                piece_slots, scale)  # fmt: skip
@@ -203,7 +223,7 @@ def cpu_paged_attention(
 
 def _fake(q, k, v, k_cache, v_cache, out, slot_mapping, query_start_loc, gathered_rows,
           decode_slots, decode_bias, pieces, piece_slots, kernel_tables, kernel_lens,
-          scale) -> None:  # fmt: skip
+          prefill_tables, prefill_starts, prefill_lens, scale) -> None:  # fmt: skip
     return None
 
 
@@ -222,6 +242,9 @@ class CpuPagedMetadata(AttentionMetadata):
     piece_slots: torch.Tensor  # [S] int64: the slots GATHERED pieces read
     kernel_tables: torch.Tensor  # [n, W] int32: the block tables of the kernel's decode rows
     kernel_lens: torch.Tensor  # [n] int32: their lengths (the first n rows)
+    prefill_tables: torch.Tensor  # [p, W] int32: the block tables of the prefill kernel's chunks
+    prefill_starts: torch.Tensor  # [p + 1] int32: their first query tokens (and the end)
+    prefill_lens: torch.Tensor  # [p] int32: their keys, the chunk's own included
 
     dynamic_dims: ClassVar[dict[str, tuple[int, ...]]] = {
         "slot_mapping": (0,),
@@ -233,6 +256,9 @@ class CpuPagedMetadata(AttentionMetadata):
         "piece_slots": (0,),
         "kernel_tables": (0, 1),
         "kernel_lens": (0,),
+        "prefill_tables": (0, 1),
+        "prefill_starts": (0,),
+        "prefill_lens": (0,),
     }
 
 
@@ -260,11 +286,13 @@ class CpuPagedMetadataBuilder(MetadataBuilder):
     """Per step, on the host: which decode rows are gathered, and every other row's pieces."""
 
     def __init__(
-        self, dtype: torch.dtype, key_bytes: int, tuning: CpuAttentionTuning, kernel: bool
-    ) -> None:
+        self, dtype: torch.dtype, key_bytes: int, tuning: CpuAttentionTuning, kernel: bool,
+        prefill_kernel: bool = False,
+    ) -> None:  # fmt: skip
         """key_bytes: one token's keys in one layer (KV heads x head dim x element size);
-        kernel: decode rows go through the C++ kernel."""
+        kernel: decode rows go through the C++ kernel; prefill_kernel: prefill chunks too."""
         self.dtype, self.key_bytes, self.tuning, self.kernel = dtype, key_bytes, tuning, kernel
+        self.prefill_kernel = prefill_kernel
 
     def build(self, layout: BatchLayout) -> CpuPagedMetadata:
         lens = layout.seq_lens.numpy()
@@ -276,7 +304,7 @@ class CpuPagedMetadataBuilder(MetadataBuilder):
         for row in range(n_kernel, layout.num_reqs):
             q_len = int(starts[row + 1] - starts[row])
             is_decode = row < layout.num_decodes
-            if is_decode and row in gathered:
+            if (is_decode and row in gathered) or (not is_decode and self.prefill_kernel):
                 continue
             cached = int(lens[row]) - (0 if is_decode else q_len)
             self._row_pieces(row, tables[row], cached, layout.block_size, is_decode, pieces, slots)
@@ -297,7 +325,18 @@ class CpuPagedMetadataBuilder(MetadataBuilder):
             # copies: the kernel reads them whole (the table's width is the step's longest)
             kernel_tables=layout.block_tables[:n_kernel].to(torch.int32, copy=True),
             kernel_lens=layout.seq_lens[:n_kernel].to(torch.int32, copy=True),
+            **self._prefill_rows(layout),
         )
+
+    def _prefill_rows(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
+        """The prefill kernel's requests: every one after the decodes, where it is used."""
+        first = layout.num_decodes
+        end = layout.num_reqs if self.prefill_kernel else first
+        return {
+            "prefill_tables": layout.block_tables[first:end].to(torch.int32, copy=True),
+            "prefill_starts": layout.query_start_loc[first : end + 1].to(torch.int32, copy=True),
+            "prefill_lens": layout.seq_lens[first:end].to(torch.int32, copy=True),
+        }
 
     def _gathered_rows(self, decode_lens: np.ndarray) -> set[int]:
         """The shortest decode rows, up to gather_max_bytes of keys each, while their gathered
@@ -357,6 +396,7 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.key_bytes = shape.num_kv_heads * row * self.kv_dtype.itemsize
         self.tuning = tuning or CpuAttentionTuning()
         self.decode_kernel = self._uses_kernel(shape)
+        self.prefill_kernel = self._uses_prefill_kernel(shape)
         self.head_dim = shape.head_dim
         self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"
 
@@ -373,23 +413,41 @@ class CpuPagedAttentionBackend(AttentionBackend):
             return False
         return choice == "on" or kernel.vectorized
 
+    def _uses_prefill_kernel(self, shape: AttentionShape) -> bool:
+        choice = self.tuning.prefill_kernel
+        if choice not in ("auto", "off"):
+            raise ValueError(f'prefill_kernel is "auto" or "off", not {choice!r}')
+        kernel = None if choice == "off" else paged_decode_kernel()
+        types = (self.dtype, self.kv_dtype)
+        return (
+            kernel is not None
+            and kernel.vectorized
+            and kernel.prefill_supported(shape.head_dim)
+            and all(t in (torch.float32, torch.bfloat16) for t in types)
+            and kernel.supports(self.dtype, shape.num_heads, shape.head_dim)
+        )
+
     def describe(self) -> str:
+        prefill = "C++ kernel" if self.prefill_kernel else "flash kernel"
         if self.decode_kernel:
             kernel = paged_decode_kernel()
             assert kernel is not None  # decode_kernel is set only where it was built
             isa = ISA_NAMES[kernel.isa]
             if self.kv_dtype == torch.int8 and kernel.int8_queries(self.head_dim):
                 isa += ", int8 keys by VNNI dot products with int8 queries"
-            return f"{self.name} (decode rows: C++ kernel built with {isa}; prefill: flash kernel)"
+            return f"{self.name} (decode rows: C++ kernel built with {isa}; prefill: {prefill})"
         kernel = None if self.tuning.decode_kernel == "off" else paged_decode_kernel()
         why = ("off" if self.tuning.decode_kernel == "off" else
                "not built: see the warning" if kernel is None else
                f"built with {ISA_NAMES[kernel.isa]}, not used" if not kernel.vectorized else
                "not for this dtype or head shape")  # fmt: skip
+        if self.prefill_kernel:
+            return f"{self.name} (decode rows: flash kernel, the C++ one {why}; prefill: {prefill})"
         return f"{self.name} (flash kernel throughout; the C++ decode kernel: {why})"
 
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
-        return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning, self.decode_kernel)
+        return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning, self.decode_kernel,
+                                       self.prefill_kernel)  # fmt: skip
 
     def forward(
         self,
@@ -418,5 +476,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
             meta.piece_slots,
             meta.kernel_tables,
             meta.kernel_lens,
+            meta.prefill_tables,
+            meta.prefill_starts,
+            meta.prefill_lens,
             scale,
         )

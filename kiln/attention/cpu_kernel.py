@@ -1,5 +1,6 @@
-"""The CPU decode-attention kernel (`csrc/paged_decode.cpp`), built at first use with the
-machine's C++ compiler (kiln/native.py) and loaded with ctypes. Where it cannot be built (no
+"""The CPU attention kernels (`csrc/paged_decode.cpp`: decode rows; `csrc/prefill.h`, in the
+same library: prefill chunks), built at first use with the machine's C++ compiler
+(kiln/native.py) and loaded with ctypes. Where it cannot be built (no
 compiler) the backend keeps its PyTorch path, and says so once."""
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ class PagedDecodeKernel:
         query = getattr(self.library, "kiln_paged_decode_int8_queries", None)
         return bool(query and query(head_dim))  # None: a source from before it (an A/B)
 
+    def prefill_supported(self, head_dim: int) -> bool:
+        """Whether prefill chunks of head_dim can go through the prefill kernel (vectorised
+        builds, head_dim a multiple of 8 up to 256; float32 or bf16 caches)."""
+        query = getattr(self.library, "kiln_paged_prefill_supported", None)
+        return bool(query and query(head_dim))  # None: a source from before it (an A/B)
+
     def supports(self, dtype: torch.dtype, heads: int, head_dim: int) -> bool:
         return dtype in DTYPES and heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
 
@@ -61,6 +68,24 @@ class PagedDecodeKernel:
             v_cache.data_ptr(),
             tables.data_ptr(), lens.data_ptr(), out.data_ptr(), work.data_ptr(), rows, heads,
             kv_heads, dim, block_size, tables.shape[1], splits, scale, threads,
+        )  # fmt: skip
+
+    def prefill(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+        tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
+        scale: float,
+    ) -> None:  # fmt: skip
+        """Prefill chunks, causal: request r's query tokens [starts[r], starts[r + 1]) of q and
+        out ([tokens, heads, head_dim] contiguous) over the first lens[r] keys of its table row
+        (the chunk's own keys written into the caches first); caches float32 or bf16, tables
+        [reqs, width], starts [reqs + 1] and lens [reqs] int32."""
+        _, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        self.library.kiln_paged_prefill(
+            DTYPES[q.dtype], DTYPES[k_cache.dtype], q.data_ptr(), k_cache.data_ptr(),
+            v_cache.data_ptr(), tables.data_ptr(), starts.data_ptr(), lens.data_ptr(),
+            out.data_ptr(), lens.shape[0], heads, kv_heads, dim, block_size, tables.shape[1],
+            scale, torch.get_num_threads(),
         )  # fmt: skip
 
     def write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
@@ -112,6 +137,12 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_decode_int8_queries.argtypes = [i64]
     library.kiln_write_int8.restype = None
     library.kiln_write_int8.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
+    if hasattr(library, "kiln_paged_prefill"):
+        library.kiln_paged_prefill_supported.restype = ctypes.c_int
+        library.kiln_paged_prefill_supported.argtypes = [i64]
+        library.kiln_paged_prefill.restype = None
+        prefill_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 6, ctypes.c_float]
+        library.kiln_paged_prefill.argtypes = [*prefill_args, ctypes.c_int]
     library.kiln_paged_decode.restype = None
     library.kiln_paged_decode.argtypes = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 7,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip

@@ -64,7 +64,7 @@ def select_backend(
                 f"not on {device.type}. Remedy: --attention-backend auto"
             )
         kernel = "off" if name == "cpu-flash" else "auto"
-        tuning = CpuAttentionTuning(decode_kernel=kernel)
+        tuning = CpuAttentionTuning(decode_kernel=kernel, prefill_kernel=kernel)
         return CpuPagedAttentionBackend(dtype, shape, tuning, kv_dtype or dtype)
     return _triton_backend(block_size, shape, device)
 

@@ -11,121 +11,14 @@
 //
 // Built at first use by kiln/attention/cpu_kernel.py with the machine's compiler
 // (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, else AVX2
-// with FMA, else portable loops.
+// with FMA, else portable loops. Prefill chunks have their own kernel, prefill.h.
 
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <limits>
-#include <type_traits>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vector.h"
 
 namespace {
 
 constexpr int64_t TILE = 32;       // keys scored per softmax update
 constexpr int64_t MAX_HEADS = 64;  // query heads x head dim bounded by the caller
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512BF16__)
-constexpr bool BF16_DOTS = true;
-#else
-constexpr bool BF16_DOTS = false;
-#endif
-
-inline float to_float(float x) { return x; }
-inline float to_float(uint16_t x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline float to_float(int8_t x) { return static_cast<float>(x); }
-inline void from_float(float* p, float x) { *p = x; }
-inline void from_float(uint16_t* p, float x) {  // round to nearest even, NaN kept
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) {
-    *p = 0x7fc0;
-    return;
-  }
-  u += 0x7fffu + ((u >> 16) & 1u);
-  *p = static_cast<uint16_t>(u >> 16);
-}
-
-// The vector layer: W float32 lanes, AVX-512 (16) or AVX2 with FMA (8); KILN_SIMD where either.
-#if defined(__AVX512F__)
-#define KILN_SIMD 1
-constexpr int64_t W = 16;
-using vf = __m512;
-inline vf vzero() { return _mm512_setzero_ps(); }
-inline vf vset(float x) { return _mm512_set1_ps(x); }
-inline vf vload(const float* p) { return _mm512_loadu_ps(p); }
-inline vf vload(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-inline vf vload(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-inline void vstore(float* p, vf x) { _mm512_storeu_ps(p, x); }
-inline vf vfmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
-inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
-inline vf vpow2(vf p, vf fi) { return _mm512_scalef_ps(p, fi); }  // p * 2^fi
-inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-inline __m256 vhalves(vf x) {  // the 16 lanes folded to 8
-  const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
-  return _mm256_add_ps(_mm512_castps512_ps256(x), high);
-}
-#elif defined(__AVX2__) && defined(__FMA__)
-#define KILN_SIMD 1
-constexpr int64_t W = 8;
-using vf = __m256;
-inline vf vzero() { return _mm256_setzero_ps(); }
-inline vf vset(float x) { return _mm256_set1_ps(x); }
-inline vf vload(const float* p) { return _mm256_loadu_ps(p); }
-inline vf vload(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-inline vf vload(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-inline void vstore(float* p, vf x) { _mm256_storeu_ps(p, x); }
-inline vf vfmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-inline vf vmax(vf a, vf b) { return _mm256_max_ps(a, b); }
-inline float vsum(vf x) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-// p * 2^fi for whole fi in [-126, 0]: the power built in the exponent field
-inline vf vpow2(vf p, vf fi) {
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fi), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-inline vf vfloor(vf x) { return _mm256_floor_ps(x); }
-inline __m256 vhalves(vf x) { return x; }
-#endif
-
-#if defined(KILN_SIMD)
-// The 8 vectors' sums as one vector of 8 (a transposing add tree: one horizontal reduction
-// for 8 keys, where summing each alone costs 8)
-inline __m256 hsum8(const __m256* a) {
-  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  const __m256 low = _mm256_hadd_ps(s01, s23), high = _mm256_hadd_ps(s45, s67);
-  return _mm256_add_ps(_mm256_permute2f128_ps(low, high, 0x20),
-                       _mm256_permute2f128_ps(low, high, 0x31));
-}
-inline __m256 vsum8(const vf* a) {
-  __m256 halves[8];
-  for (int b = 0; b < 8; ++b) halves[b] = vhalves(a[b]);
-  return hsum8(halves);
-}
-#endif
 
 // q . k over head_dim d, in float32 (keys widened as they are loaded)
 template <typename KV>
@@ -215,22 +108,10 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   int64_t j = 0;
   float total = 0.f;
 #if defined(KILN_SIMD)
-  // 2^(x log2 e): the integer part in the exponent, the fraction by a degree-6 polynomial
-  // (relative error about 2e-7, as libm's expf)
-  const vf m = vset(mx), log2e = vset(1.44269504088896341f);
+  const vf m = vset(mx);
   vf sum = vzero();
   for (; j + W <= n; j += W) {
-    const vf x = vmax(vload(s + j) - m, vset(-87.f));
-    const vf t = x * log2e;
-    const vf fi = vfloor(t);
-    const vf f = t - fi;
-    vf p = vset(1.535336188319500e-4f);
-    p = vfmadd(p, f, vset(1.339887440266574e-3f));
-    p = vfmadd(p, f, vset(9.618437357674640e-3f));
-    p = vfmadd(p, f, vset(5.550332471162809e-2f));
-    p = vfmadd(p, f, vset(2.402264791363012e-1f));
-    p = vfmadd(p, f, vset(6.931472028550421e-1f));
-    p = vpow2(vfmadd(p, f, vset(1.0f)), fi);
+    const vf p = vexp(vload(s + j) - m);
     vstore(s + j, p);
     sum = sum + p;
   }
@@ -568,6 +449,8 @@ void write_int8(const T* x, const int64_t* slots, int64_t n, int64_t heads, int6
 
 }  // namespace
 
+#include "prefill.h"
+
 extern "C" {
 
 // x [n, heads, head_dim] (dtype 0 float32, 1 bfloat16) into the int8 cache [slots, heads,
@@ -590,6 +473,48 @@ int kiln_paged_decode_int8_queries(int64_t head_dim) {
 #else
   (void)head_dim;
   return 0;
+#endif
+}
+
+// 1 where prefill chunks of head_dim can go through the prefill kernel (vectorised builds,
+// head_dim a multiple of 8 up to 256), else 0
+int kiln_paged_prefill_supported(int64_t head_dim) {
+#if defined(KILN_SIMD)
+  return prefill_supports(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
+// Prefill chunks (prefill.h): request r's query tokens [starts[r], starts[r + 1]) of q and out
+// [tokens, heads, head_dim] over the first lens[r] keys of its table (tables [reqs, width]),
+// the chunk's own keys already in the cache. dtype (q and out) and kv_dtype (the caches):
+// 0 float32, 1 bfloat16. Only where kiln_paged_prefill_supported(head_dim).
+void kiln_paged_prefill(int dtype, int kv_dtype, const void* q, const void* k_cache,
+                        const void* v_cache, const int32_t* tables, const int32_t* starts,
+                        const int32_t* lens, void* out, int64_t reqs, int64_t heads,
+                        int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                        int64_t table_width, float scale, int threads) {
+#if defined(KILN_SIMD)
+  const PrefillShape sh{heads, kv_heads, head_dim, block_size, table_width, scale};
+  const auto run = [&](const auto* typed_q, auto* typed_out) {
+    if (kv_dtype == 0)
+      prefill(typed_q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+              tables, starts, lens, typed_out, reqs, sh, threads);
+    else
+      prefill(typed_q, static_cast<const uint16_t*>(k_cache),
+              static_cast<const uint16_t*>(v_cache), tables, starts, lens, typed_out, reqs, sh,
+              threads);
+  };
+  if (dtype == 0)
+    run(static_cast<const float*>(q), static_cast<float*>(out));
+  else
+    run(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out));
+#else
+  (void)dtype, (void)kv_dtype, (void)q, (void)k_cache, (void)v_cache, (void)tables, (void)starts;
+  (void)lens, (void)out, (void)reqs, (void)heads, (void)kv_heads, (void)head_dim;
+  (void)block_size, (void)table_width, (void)scale, (void)threads;
 #endif
 }
 

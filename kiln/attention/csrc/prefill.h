@@ -1,0 +1,242 @@
+// Prefill attention over kiln's paged KV cache on the CPU, read in place: every query token of a
+// prompt chunk over its request's keys up to its own position (causal), the chunk's own keys
+// included (the op writes them into the cache first).
+//
+// Query rows are the vector lanes: a group is W rows (token, query head) of one KV head's query
+// heads, token-major, so the G heads sharing a KV head read each key once, and a work item is up
+// to 8 groups sharing each tile of keys. Its queries are
+// transposed once into [head_dim][W]; a key's element is then broadcast against a row of that
+// transpose, so a score for W rows is head_dim fused multiply-adds and a key is never
+// transposed or copied (float32 caches are read in place, bf16 rows widened 16 keys at a time
+// into a buffer). The softmax max and sum run across keys, lane by lane: no horizontal
+// reductions. Values are added the same way, out^T[d] += p_j * v_j[d]. Everything is float32:
+// scores, the softmax and the weights (torch's flash kernel rounds the weights of bf16 inputs
+// to bf16; this one does not).
+//
+// Included by paged_decode.cpp after its helpers (tile_rows); vectorised builds only
+// (KILN_SIMD), the caller keeps torch's flash kernel elsewhere.
+
+#pragma once
+
+#include <vector>
+
+#include "vector.h"
+
+namespace {
+#if defined(KILN_SIMD)
+
+constexpr int64_t PREFILL_KEYS = 16;   // keys per online-softmax step
+constexpr int64_t PREFILL_MAX_DIM = 256;
+constexpr int64_t VALUE_DIMS = 8;      // head dims whose sums stay in registers over a step
+constexpr int64_t PREFILL_GROUPS = 8;  // row groups of W sharing each tile of keys
+
+struct PrefillShape {
+  int64_t heads, kv_heads, head_dim, block_size, table_width;
+  float scale;
+};
+
+// One request's chunk: query tokens [start, start + tokens) of the step at positions
+// [cached, cached + tokens), its keys through `table`
+struct PrefillChunk {
+  int64_t start, tokens, cached;
+  const int32_t* table;
+};
+
+// qt[d * W + lane] = query row row0 + lane of KV head h (row = token * G + head in the group),
+// and each lane's position; lanes past the chunk's rows get zeros and see every key
+template <typename T>
+inline void transpose_queries(const T* q, const PrefillChunk& c, int64_t h, int64_t row0,
+                              const PrefillShape& sh, float* qt, float* pos) {
+  const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, rows = c.tokens * G;
+  for (int64_t lane = 0; lane < W; ++lane) {
+    const int64_t row = row0 + lane;
+    if (row >= rows) {
+      pos[lane] = 3e38f;
+      for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = 0.f;
+      continue;
+    }
+    const T* qr = q + ((c.start + row / G) * sh.heads + h * G + row % G) * D;
+    pos[lane] = static_cast<float>(c.cached + row / G);
+    for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = to_float(qr[d]);
+  }
+}
+
+// The tile's head rows as float32: a float32 cache's own rows, bf16 ones widened into buf; keys
+// past n point at zeros
+template <typename KV>
+inline void float_rows(const KV* cache, const int64_t* rows, int64_t n, int64_t offset,
+                       int64_t D, float* buf, const float* zeros, const float** out) {
+  for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+    if (j >= n) {
+      out[j] = zeros;
+      continue;
+    }
+    const KV* src = cache + rows[j] + offset;
+    if constexpr (std::is_same_v<KV, float>) {
+      out[j] = src;
+    } else {
+      float* dst = buf + j * D;
+      int64_t d = 0;
+      for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+      for (; d < D; ++d) dst[d] = to_float(src[d]);
+      out[j] = dst;
+    }
+  }
+}
+
+// s[j] = (the W query rows) . k_j for KB keys, the sums in registers
+template <int KB>
+inline void score_keys(const float* qt, const float* const* k, int64_t D, vf* s) {
+  vf a[KB];
+  for (int j = 0; j < KB; ++j) a[j] = vzero();
+  for (int64_t d = 0; d < D; ++d) {
+    const vf qd = vload(qt + d * W);
+    for (int j = 0; j < KB; ++j) a[j] = vfmadd(qd, vset(k[j][d]), a[j]);
+  }
+  for (int j = 0; j < KB; ++j) s[j] = a[j];
+}
+
+// acc^T[d] = alpha acc^T[d] + sum_j p_j v_j[d] over the tile's n keys, VALUE_DIMS dims at once
+inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D, vf alpha,
+                       float* acc) {
+  for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
+    vf a[VALUE_DIMS];
+    for (int i = 0; i < VALUE_DIMS; ++i) a[i] = vload(acc + (d0 + i) * W) * alpha;
+    for (int64_t j = 0; j < n; ++j)
+      for (int i = 0; i < VALUE_DIMS; ++i) a[i] = vfmadd(p[j], vset(v[j][d0 + i]), a[i]);
+    for (int i = 0; i < VALUE_DIMS; ++i) vstore(acc + (d0 + i) * W, a[i]);
+  }
+}
+
+// One online-softmax step over a tile of keys from position t: scores s in, weights out (in s);
+// m and l, the running max and sum, updated; returns the factor earlier sums are scaled by.
+// `causal`: some key of the tile lies past some row's position (the diagonal, the chunk's end).
+inline vf softmax_step(vf* s, int64_t t, bool causal, vf pos, float scale, vf& m, vf& l) {
+  const vf minus_inf = vset(NEG_INF);
+  vf mx = m;
+  for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+    s[j] = s[j] * vset(scale);
+    if (causal) s[j] = vselect_le(vset(static_cast<float>(t + j)), pos, s[j], minus_inf);
+    mx = vmax(mx, s[j]);
+  }
+  const vf alpha = vexp(m - mx);  // 0 (to float32's last bits) on the first step, m = -inf
+  vf sum = vzero();
+  for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+    s[j] = vexp(s[j] - mx);
+    if (causal) s[j] = vselect_le(vset(static_cast<float>(t + j)), pos, s[j], vzero());
+    sum = sum + s[j];
+  }
+  l = l * alpha + sum;
+  m = mx;
+  return alpha;
+}
+
+// A group of W rows of chunk c (KV head h) and its running softmax: queries transposed, output
+// sums transposed, each lane's position, max and sum
+struct RowGroup {
+  int64_t row0, rows, keys, first_hidden;  // keys: through its last row's position
+  float *qt, *acc;
+  float pos[W];
+  vf m, l;
+};
+
+// One step of a group over the tile of keys from t (n of them, as float32 rows kp, vp)
+inline void group_step(RowGroup& g, int64_t t, int64_t n, const float* const* kp,
+                       const float* const* vp, int64_t D, float scale) {
+  vf s[PREFILL_KEYS];
+  if constexpr (W == 16) {
+    score_keys<16>(g.qt, kp, D, s);
+  } else {  // 8 sums and a query vector fit AVX2's 16 registers
+    score_keys<8>(g.qt, kp, D, s);
+    score_keys<8>(g.qt, kp + 8, D, s + 8);
+  }
+  // a partial tile is its group's last, so always causal: keys past n are hidden from every
+  // real row (only lanes past the chunk's rows weigh their zero rows, and are not written)
+  const bool causal = t + PREFILL_KEYS > g.first_hidden;
+  const vf alpha = softmax_step(s, t, causal, vload(g.pos), scale, g.m, g.l);
+  add_values(s, n, vp, D, alpha, g.acc);
+}
+
+// Row groups [group0, group0 + groups) of KV head h of chunk c, their attention into out. The
+// groups share each tile of keys, widened once and read from the core's cache by every group
+// (one group per item read a long context's keys from memory for every 16 rows).
+template <typename T, typename KV>
+void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& c, int64_t h,
+                    int64_t group0, int64_t groups, const PrefillShape& sh, T* out) {
+  const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, row_elems = sh.kv_heads * D;
+  std::vector<float> buffers(2 * groups * D * W, 0.f);  // queries and sums, transposed
+  alignas(64) float kbuf[PREFILL_KEYS * PREFILL_MAX_DIM], vbuf[PREFILL_KEYS * PREFILL_MAX_DIM];
+  alignas(64) static const float zeros[PREFILL_MAX_DIM] = {};
+  RowGroup rg[PREFILL_GROUPS];
+  int64_t keys = 0;
+  for (int64_t i = 0; i < groups; ++i) {
+    RowGroup& g = rg[i];
+    g.row0 = (group0 + i) * W;
+    g.rows = std::min<int64_t>(W, c.tokens * G - g.row0);
+    g.keys = c.cached + (g.row0 + g.rows - 1) / G + 1;
+    g.first_hidden = c.cached + g.row0 / G + 1;
+    g.qt = buffers.data() + 2 * i * D * W;
+    g.acc = g.qt + D * W;
+    g.m = vset(NEG_INF), g.l = vzero();
+    transpose_queries(q, c, h, g.row0, sh, g.qt, g.pos);
+    keys = std::max(keys, g.keys);
+  }
+  int64_t rows[PREFILL_KEYS];
+  const float *kp[PREFILL_KEYS], *vp[PREFILL_KEYS];
+  for (int64_t t = 0; t < keys; t += PREFILL_KEYS) {
+    const int64_t n = std::min(PREFILL_KEYS, keys - t);
+    tile_rows(c.table, t, n, sh.block_size, row_elems, rows);
+    float_rows(kc, rows, n, h * D, D, kbuf, zeros, kp);
+    float_rows(vc, rows, n, h * D, D, vbuf, zeros, vp);
+    for (int64_t i = 0; i < groups; ++i)
+      if (t < rg[i].keys) group_step(rg[i], t, std::min(n, rg[i].keys - t), kp, vp, D, sh.scale);
+  }
+  for (int64_t i = 0; i < groups; ++i) {
+    const RowGroup& g = rg[i];
+    alignas(64) float sums[W];
+    vstore(sums, g.l);
+    for (int64_t lane = 0; lane < g.rows; ++lane) {
+      const int64_t row = g.row0 + lane;
+      T* o = out + ((c.start + row / G) * sh.heads + h * G + row % G) * D;
+      const float inv = 1.f / sums[lane];
+      for (int64_t d = 0; d < D; ++d) from_float(o + d, g.acc[d * W + lane] * inv);
+    }
+  }
+}
+
+// Every prefill chunk of the step: request r's tokens [starts[r], starts[r + 1]) of q and out
+// ([tokens, heads, head_dim]) over the first lens[r] keys its table maps. A work item is up to
+// PREFILL_GROUPS row groups of one KV head, fewer where that leaves under 4 items a thread;
+// items go to the threads longest first (a chunk's later rows see more keys).
+template <typename T, typename KV>
+void prefill(const T* q, const KV* kc, const KV* vc, const int32_t* tables,
+             const int32_t* starts, const int32_t* lens, T* out, int64_t reqs,
+             const PrefillShape& sh, int threads) {
+  const int64_t G = sh.heads / sh.kv_heads;
+  std::vector<int64_t> groups(reqs);
+  int64_t all_groups = 0;
+  for (int64_t r = 0; r < reqs; ++r) {
+    groups[r] = ((starts[r + 1] - starts[r]) * G + W - 1) / W;
+    all_groups += groups[r] * sh.kv_heads;
+  }
+  const int64_t per_item = std::max<int64_t>(1, std::min(PREFILL_GROUPS, all_groups / (4 * threads)));
+  std::vector<int64_t> first(reqs + 1, 0);  // work items before request r
+  for (int64_t r = 0; r < reqs; ++r)
+    first[r + 1] = first[r] + (groups[r] + per_item - 1) / per_item * sh.kv_heads;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+  for (int64_t it = first[reqs] - 1; it >= 0; --it) {
+    const int64_t r = std::upper_bound(first.begin(), first.end(), it) - first.begin() - 1;
+    const int64_t local = it - first[r], tokens = starts[r + 1] - starts[r];
+    const int64_t group0 = local / sh.kv_heads * per_item;
+    const PrefillChunk c{starts[r], tokens, lens[r] - tokens, tables + r * sh.table_width};
+    prefill_groups(q, kc, vc, c, local % sh.kv_heads, group0,
+                   std::min(per_item, groups[r] - group0), sh, out);
+  }
+}
+
+inline bool prefill_supports(int64_t head_dim) {
+  return head_dim % VALUE_DIMS == 0 && head_dim <= PREFILL_MAX_DIM;
+}
+
+#endif
+}  // namespace
