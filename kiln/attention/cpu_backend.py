@@ -79,7 +79,7 @@ class CpuAttentionTuning:
     # with its portable loops, "off" never
     decode_kernel: str = "auto"
     # prefill chunks through the C++ prefill kernel (csrc/prefill.h): "auto" where it was built
-    # vectorised for the head dim and the cache is float32 or bf16 (2.2-2.6x torch's flash
+    # vectorised for the head dim and the cache is float32 or bf16 (2.5-3.4x torch's flash
     # kernel on a 512-token chunk, docs/performance.md), "off" never
     prefill_kernel: str = "auto"
 

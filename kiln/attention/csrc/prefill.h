@@ -9,9 +9,11 @@
 // transpose, so a score for W rows is head_dim fused multiply-adds and a key is never
 // transposed or copied (float32 caches are read in place, bf16 rows widened 16 keys at a time
 // into a buffer). The softmax max and sum run across keys, lane by lane: no horizontal
-// reductions. Values are added the same way, out^T[d] += p_j * v_j[d]. Everything is float32:
-// scores, the softmax and the weights (torch's flash kernel rounds the weights of bf16 inputs
-// to bf16; this one does not).
+// reductions. Values are added the same way, out^T[d] += p_j * v_j[d]. Scores, the softmax and
+// every sum are float32. With bf16 queries over a bf16 cache on AVX512-BF16, products are bf16
+// pair products (exact, summed in float32: 2x the multiply-adds of an instruction), and the
+// softmax weights are rounded to bf16 for them, as torch's flash kernel rounds them for bf16
+// inputs; elsewhere bf16 rows are widened and the weights stay float32.
 //
 // Included by paged_decode.cpp after its helpers (tile_rows); vectorised builds only
 // (KILN_SIMD), the caller keeps torch's flash kernel elsewhere.
@@ -60,6 +62,84 @@ inline void transpose_queries(const T* q, const PrefillChunk& c, int64_t h, int6
     for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = to_float(qr[d]);
   }
 }
+
+#if defined(__AVX512BF16__)
+// bf16 queries over a bf16 cache on AVX512-BF16: the transposed queries hold pairs of bf16,
+// qt[d2 * W + lane] = (q[2 d2], q[2 d2 + 1]) as 32 bits, and a score for 16 rows is head_dim / 2
+// dot-product instructions, each multiplying two bf16 pairs exactly into a float32 sum (the
+// decode kernel's products), with the key's pair broadcast from the cache row itself
+template <typename T, typename KV>
+constexpr bool PAIR_DOTS = std::is_same_v<T, uint16_t> && std::is_same_v<KV, uint16_t>;
+
+inline void transpose_pairs(const uint16_t* q, const PrefillChunk& c, int64_t h, int64_t row0,
+                            const PrefillShape& sh, float* qt) {
+  const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, rows = c.tokens * G;
+  for (int64_t lane = 0; lane < W; ++lane) {
+    const int64_t row = row0 + lane;
+    const uint16_t* qr = q + ((c.start + row / G) * sh.heads + h * G + row % G) * D;
+    for (int64_t d2 = 0; d2 < D / 2; ++d2)
+      if (row < rows) std::memcpy(qt + d2 * W + lane, qr + 2 * d2, 4);
+      else qt[d2 * W + lane] = 0.f;
+  }
+}
+
+template <int KB>
+inline void score_pairs(const float* qt, const uint16_t* const* k, int64_t D, vf* s) {
+  vf a[KB];
+  for (int j = 0; j < KB; ++j) a[j] = vzero();
+  for (int64_t d2 = 0; d2 < D / 2; ++d2) {
+    const __m512bh qd = (__m512bh)_mm512_loadu_ps(qt + d2 * W);
+    for (int j = 0; j < KB; ++j) {
+      uint32_t pair;
+      std::memcpy(&pair, k[j] + 2 * d2, 4);
+      a[j] = _mm512_dpbf16_ps(a[j], qd, (__m512bh)_mm512_set1_epi32(static_cast<int>(pair)));
+    }
+  }
+  for (int j = 0; j < KB; ++j) s[j] = a[j];
+}
+
+// vp[j2 * D + d] = (v_2j2[d], v_2j2+1[d]): the tile's value rows in pairs of keys, for pair
+// products against pairs of weights (once per tile, for every group of the item)
+inline void value_pairs(const uint16_t* const* v, int64_t D, uint32_t* vp) {
+  for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) {
+    const uint16_t *a = v[2 * j2], *b = v[2 * j2 + 1];
+    uint32_t* dst = vp + j2 * D;
+    int64_t d = 0;
+    for (; d + 16 <= D; d += 16) {
+      const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + d)));
+      const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + d)));
+      _mm512_storeu_si512(dst + d, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    }
+    for (; d < D; ++d) dst[d] = static_cast<uint32_t>(a[d]) | static_cast<uint32_t>(b[d]) << 16;
+  }
+}
+
+// acc^T[d] = alpha acc^T[d] + sum_j p_j v_j[d] by pair products: the weights rounded to bf16
+// (as torch's flash kernel rounds them for bf16 inputs), the sums float32
+inline void add_value_pairs(const vf* p, int64_t n, const uint32_t* vp, int64_t D, vf alpha,
+                            float* acc) {
+  __m512i pp[PREFILL_KEYS / 2];
+  const int64_t n2 = (n + 1) / 2;
+  for (int64_t j2 = 0; j2 < n2; ++j2) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * j2]));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p[2 * j2 + 1]));
+    pp[j2] = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+  }
+  for (int64_t d0 = 0; d0 < D; d0 += VALUE_DIMS) {
+    vf a[VALUE_DIMS];
+    for (int i = 0; i < VALUE_DIMS; ++i) a[i] = vload(acc + (d0 + i) * W) * alpha;
+    for (int64_t j2 = 0; j2 < n2; ++j2) {
+      const uint32_t* row = vp + j2 * D + d0;
+      for (int i = 0; i < VALUE_DIMS; ++i)
+        a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)pp[j2], (__m512bh)_mm512_set1_epi32(static_cast<int>(row[i])));
+    }
+    for (int i = 0; i < VALUE_DIMS; ++i) vstore(acc + (d0 + i) * W, a[i]);
+  }
+}
+#else
+template <typename T, typename KV>
+constexpr bool PAIR_DOTS = false;
+#endif
 
 // The tile's head rows as float32: a float32 cache's own rows, bf16 ones widened into buf; keys
 // past n point at zeros
@@ -140,11 +220,19 @@ struct RowGroup {
   vf m, l;
 };
 
-// One step of a group over the tile of keys from t (n of them, as float32 rows kp, vp)
+// One step of a group over the tile of keys from t (n of them, as float32 rows kp, vp; or as
+// the cache's bf16 rows kb, scored by pair products)
+template <bool pairs>
 inline void group_step(RowGroup& g, int64_t t, int64_t n, const float* const* kp,
-                       const float* const* vp, int64_t D, float scale) {
+                       const uint16_t* const* kb, const float* const* vp,
+                       const uint32_t* vpairs, int64_t D, float scale) {
   vf s[PREFILL_KEYS];
-  if constexpr (W == 16) {
+#if defined(__AVX512BF16__)
+  if constexpr (pairs) score_pairs<16>(g.qt, kb, D, s);
+#endif
+  (void)kb;
+  if constexpr (pairs) {
+  } else if constexpr (W == 16) {
     score_keys<16>(g.qt, kp, D, s);
   } else {  // 8 sums and a query vector fit AVX2's 16 registers
     score_keys<8>(g.qt, kp, D, s);
@@ -154,7 +242,11 @@ inline void group_step(RowGroup& g, int64_t t, int64_t n, const float* const* kp
   // real row (only lanes past the chunk's rows weigh their zero rows, and are not written)
   const bool causal = t + PREFILL_KEYS > g.first_hidden;
   const vf alpha = softmax_step(s, t, causal, vload(g.pos), scale, g.m, g.l);
-  add_values(s, n, vp, D, alpha, g.acc);
+#if defined(__AVX512BF16__)
+  if constexpr (pairs) add_value_pairs(s, n, vpairs, D, alpha, g.acc);
+#endif
+  (void)vp, (void)vpairs;
+  if constexpr (!pairs) add_values(s, n, vp, D, alpha, g.acc);
 }
 
 // Row groups [group0, group0 + groups) of KV head h of chunk c, their attention into out. The
@@ -167,6 +259,8 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
   std::vector<float> buffers(2 * groups * D * W, 0.f);  // queries and sums, transposed
   alignas(64) float kbuf[PREFILL_KEYS * PREFILL_MAX_DIM], vbuf[PREFILL_KEYS * PREFILL_MAX_DIM];
   alignas(64) static const float zeros[PREFILL_MAX_DIM] = {};
+  alignas(64) static const uint16_t zero_pairs[PREFILL_MAX_DIM] = {};
+  constexpr bool pairs = PAIR_DOTS<T, KV>;
   RowGroup rg[PREFILL_GROUPS];
   int64_t keys = 0;
   for (int64_t i = 0; i < groups; ++i) {
@@ -179,17 +273,34 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
     g.acc = g.qt + D * W;
     g.m = vset(NEG_INF), g.l = vzero();
     transpose_queries(q, c, h, g.row0, sh, g.qt, g.pos);
+#if defined(__AVX512BF16__)
+    if constexpr (pairs) transpose_pairs(q, c, h, g.row0, sh, g.qt);
+#endif
     keys = std::max(keys, g.keys);
   }
   int64_t rows[PREFILL_KEYS];
   const float *kp[PREFILL_KEYS], *vp[PREFILL_KEYS];
+  const uint16_t *kb[PREFILL_KEYS], *vb[PREFILL_KEYS];
+  alignas(64) uint32_t vpairs[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
   for (int64_t t = 0; t < keys; t += PREFILL_KEYS) {
     const int64_t n = std::min(PREFILL_KEYS, keys - t);
     tile_rows(c.table, t, n, sh.block_size, row_elems, rows);
-    float_rows(kc, rows, n, h * D, D, kbuf, zeros, kp);
-    float_rows(vc, rows, n, h * D, D, vbuf, zeros, vp);
+    if constexpr (pairs) {
+      for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+        kb[j] = j < n ? reinterpret_cast<const uint16_t*>(kc + rows[j] + h * D) : zero_pairs;
+        vb[j] = j < n ? reinterpret_cast<const uint16_t*>(vc + rows[j] + h * D) : zero_pairs;
+      }
+#if defined(__AVX512BF16__)
+      value_pairs(vb, D, vpairs);
+#endif
+    } else {
+      float_rows(kc, rows, n, h * D, D, kbuf, zeros, kp);
+      float_rows(vc, rows, n, h * D, D, vbuf, zeros, vp);
+    }
     for (int64_t i = 0; i < groups; ++i)
-      if (t < rg[i].keys) group_step(rg[i], t, std::min(n, rg[i].keys - t), kp, vp, D, sh.scale);
+      if (t < rg[i].keys)
+        group_step<pairs>(rg[i], t, std::min(n, rg[i].keys - t), kp, kb, vp, vpairs, D,
+                          sh.scale);
   }
   for (int64_t i = 0; i < groups; ++i) {
     const RowGroup& g = rg[i];
