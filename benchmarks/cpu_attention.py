@@ -10,7 +10,8 @@ block long).
 
     python benchmarks/cpu_attention.py                          # SmolLM2's heads, float32
     python benchmarks/cpu_attention.py --shape qwen3-0.6b --dtype bfloat16
-    python benchmarks/cpu_attention.py --gather-max-bytes 0      # try another tuning"""
+    python benchmarks/cpu_attention.py --gather-max-bytes 0      # try another tuning
+    python benchmarks/cpu_attention.py --kv-dtype int8           # --kv-cache-dtype int8"""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionShape
 from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
+from kiln.attention.kv_int8 import quantize
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.boot.host_memory import keep_freed_memory
 from kiln.runner.input_buffers import BatchRow, InputBuffers
@@ -68,11 +70,16 @@ def _time(backend: AttentionBackend, layout, caches, q, k, v, repeats: int):
     return statistics.median(calls) * 1e3, statistics.median(builds) * 1e3
 
 
+def _kv_dtype(args) -> torch.dtype:
+    return getattr(torch, args.kv_dtype or args.dtype)
+
+
 def _case(name, rows_spec, args, backends, gen):
     heads, kv_heads, dim = SHAPES[args.shape]
     dtype = getattr(torch, args.dtype)
     layout, num_blocks = _layout(rows_spec, args.block_size, args.layout, gen)
-    caches = torch.randn(2, num_blocks, args.block_size, kv_heads, dim, generator=gen).to(dtype)
+    caches = torch.randn(2, num_blocks, args.block_size, kv_heads, dim, generator=gen)
+    caches = quantize(caches) if args.kv_dtype == "int8" else caches.to(_kv_dtype(args))
     tokens = layout.num_tokens
     q, k, v = (
         torch.randn(tokens, h, dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads)
@@ -90,6 +97,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--shape", choices=SHAPES, default="smollm2")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--kv-dtype", choices=("float32", "bfloat16", "int8"), default=None,
+                    help="the cache's (default: --dtype)")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--layout", choices=("contiguous", "fragmented"), default="contiguous")
     defaults = CpuAttentionTuning()
@@ -109,7 +118,7 @@ def main() -> None:
     ap.add_argument("--only", choices=("decode", "prefill"), default=None)
     args = ap.parse_args()
     keep_freed_memory()  # as the engine does on the CPU: no fresh pages for every gather
-    dtype = getattr(torch, args.dtype)
+    dtype, kv_dtype = getattr(torch, args.dtype), _kv_dtype(args)
     tuning = CpuAttentionTuning(args.gather_max_bytes, args.gather_budget_bytes, args.min_run,
                                 args.part_tokens, args.max_parts, args.decode_kernel,
                                 args.prefill_kernel)  # fmt: skip
@@ -117,12 +126,13 @@ def main() -> None:
     backends = {
         "torch": TorchPagedAttentionBackend(dtype),
         "cpu-flash": CpuPagedAttentionBackend(
-            dtype, shape, replace(tuning, decode_kernel="off", prefill_kernel="off")
+            dtype, shape, replace(tuning, decode_kernel="off", prefill_kernel="off"), kv_dtype
         ),
-        "cpu": CpuPagedAttentionBackend(dtype, shape, tuning),
+        "cpu": CpuPagedAttentionBackend(dtype, shape, tuning, kv_dtype),
     }
     gen = torch.Generator().manual_seed(0)
-    print(f"{args.shape} {args.dtype}, block size {args.block_size}, {args.layout} blocks, "
+    print(f"{args.shape} {args.dtype} over a {kv_dtype} cache, block size {args.block_size}, "
+          f"{args.layout} blocks, "
           f"{torch.get_num_threads()} threads, {tuning}")  # fmt: skip
     print("| case | torch ms | cpu-flash ms | cpu ms | cpu vs torch | cpu vs cpu-flash "
           "| torch metadata ms | cpu metadata ms |\n"

@@ -421,7 +421,7 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
         torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over bf16"], ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (12, 2, 32), (6, 6, 16)], ids=str)
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2"])
 def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build):
@@ -429,8 +429,8 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build):
     call, over fragmented blocks of 16: work items of 16 rows (8 on AVX2) of (token, query head)
     that end mid-chunk, key tiles across the causal diagonal and ending mid-tile, a lone token,
     query-head groups of 3, 8, 6 and 1, real models' head dims (SmolLM2's 9/3 x 64, Qwen3's
-    16/8 x 128); float32, bf16 and float32 queries over a bf16 cache, against float64 by
-    hand."""
+    16/8 x 128); float32, bf16, and queries over a bf16 or an int8 cache, against float64 by
+    hand over what the cache holds."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
     dtype, kv_dtype = _kernel_types(dtype)
@@ -442,7 +442,8 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build):
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     for row, table in enumerate(order.split(need)):
         tables[row, : len(table)] = table
-    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g).to(kv_dtype)
+    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
+    caches = _narrow_cache(caches, kv_dtype)
     q = torch.randn(sum(tokens), heads, dim, generator=g).to(dtype)
     starts = torch.tensor([0, *np.cumsum(tokens)], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
@@ -451,7 +452,7 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build):
     for row, (first, n) in enumerate(zip(cached, tokens)):
         pos = torch.arange(first + n)
         slots = tables[row, pos // block_size].long() * block_size + pos % block_size
-        keys, values = (c.reshape(-1, kv_heads, dim)[slots].double() for c in caches)
+        keys, values = (c.reshape(-1, kv_heads, dim)[slots] for c in _cache_values(caches))
         keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
         chunk = q[starts[row] : starts[row + 1]].double()
         scores = torch.einsum("thd,khd->htk", chunk, keys) * dim**-0.5
@@ -496,8 +497,8 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     int8 = select_backend("cpu", cpu, BS, shape, torch.float32, torch.int8)
     vnni = int8.decode_kernel and cpu_kernel.paged_decode_kernel().int8_queries(64)
     assert ("int8 queries" in int8.describe()) == vnni
-    # the prefill kernel reads float32 and bf16 caches only: an int8 one's chunks take flash
-    assert not int8.prefill_kernel and int8.describe().endswith("prefill: flash kernel)")
+    # the prefill kernel reads an int8 cache too (its rows dequantized 16 keys at a time)
+    assert int8.prefill_kernel == with_kernel.prefill_kernel
 
 
 def test_the_kernel_a_b_benchmark_times_two_builds_on_the_same_inputs():

@@ -1,17 +1,17 @@
 """Paged attention for the CPU that reads keys and values where they lie in the paged cache.
 
 Where kiln's C++ kernels are built, decode rows (csrc/paged_decode.cpp) and prefill chunks
-(csrc/prefill.h) go through them: they read the cache through the block tables. The rest (an
-int8 cache's prefill, builds without vectors, `--attention-backend cpu-flash`) takes torch's
-flash kernel as follows. Attention over a request's cached keys does not depend on their order,
-so the step's metadata sorts each request's blocks and cuts them into runs of consecutive block
-ids: every run is one contiguous range of cache slots, which the flash kernel reads through a
-strided view, no copy. Each run returns its output and log-sum-exp, and the runs of a request
-are merged by their log-sum-exp (online softmax). A long decode run is also cut into equal parts
-that ride as the kernel's batch (its threads split batch x heads, and a decode row has only its
-KV heads, so few work items; parts of 1k keys also stay in cache): the split flash-decoding
-uses. A prefill chunk adds one causal call over its own keys, which it holds contiguously as
-inputs.
+(csrc/prefill.h) go through them: they read the cache through the block tables. The rest
+(builds without vectors, head dims the kernels do not take, `--attention-backend cpu-flash`)
+takes torch's flash kernel as follows. Attention over a request's cached keys does not depend
+on their order, so the step's metadata sorts each request's blocks and cuts them into runs of
+consecutive block ids: every run is one contiguous range of cache slots, which the flash kernel
+reads through a strided view, no copy. Each run returns its output and log-sum-exp, and the
+runs of a request are merged by their log-sum-exp (online softmax). A long decode run is also
+cut into equal parts that ride as the kernel's batch (its threads split batch x heads, and a
+decode row has only its KV heads, so few work items; parts of 1k keys also stay in cache): the
+split flash-decoding uses. A prefill chunk adds one causal call over its own keys, which it
+holds contiguously as inputs.
 
 Two cases still gather, where copying costs less than a call per piece: runs shorter than
 `min_run` tokens (a fragmented cache) are gathered into one piece per request, and decode rows
@@ -79,7 +79,7 @@ class CpuAttentionTuning:
     # with its portable loops, "off" never
     decode_kernel: str = "auto"
     # prefill chunks through the C++ prefill kernel (csrc/prefill.h): "auto" where it was built
-    # vectorised for the head dim and the cache is float32 or bf16 (2.5-3.4x torch's flash
+    # vectorised for the head dim (float32, bf16 and int8 caches; 2.5-3.4x torch's flash
     # kernel on a 512-token chunk, docs/performance.md), "off" never
     prefill_kernel: str = "auto"
 
@@ -418,12 +418,12 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if choice not in ("auto", "off"):
             raise ValueError(f'prefill_kernel is "auto" or "off", not {choice!r}')
         kernel = None if choice == "off" else paged_decode_kernel()
-        types = (self.dtype, self.kv_dtype)
         return (
             kernel is not None
             and kernel.vectorized
             and kernel.prefill_supported(shape.head_dim)
-            and all(t in (torch.float32, torch.bfloat16) for t in types)
+            and self.dtype in (torch.float32, torch.bfloat16)
+            and self.kv_dtype in (torch.float32, torch.bfloat16, torch.int8)
             and kernel.supports(self.dtype, shape.num_heads, shape.head_dim)
         )
 

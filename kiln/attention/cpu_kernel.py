@@ -43,7 +43,7 @@ class PagedDecodeKernel:
 
     def prefill_supported(self, head_dim: int) -> bool:
         """Whether prefill chunks of head_dim can go through the prefill kernel (vectorised
-        builds, head_dim a multiple of 8 up to 256; float32 or bf16 caches)."""
+        builds, head_dim a multiple of 8 up to 256; float32, bf16 and int8 caches)."""
         query = getattr(self.library, "kiln_paged_prefill_supported", None)
         return bool(query and query(head_dim))  # None: a source from before it (an A/B)
 
@@ -77,7 +77,7 @@ class PagedDecodeKernel:
     ) -> None:  # fmt: skip
         """Prefill chunks, causal: request r's query tokens [starts[r], starts[r + 1]) of q and
         out ([tokens, heads, head_dim] contiguous) over the first lens[r] keys of its table row
-        (the chunk's own keys written into the caches first); caches float32 or bf16, tables
+        (the chunk's own keys written into the caches first); caches as `run` takes them, tables
         [reqs, width], starts [reqs + 1] and lens [reqs] int32."""
         _, heads, dim = q.shape
         _, block_size, kv_heads, _ = k_cache.shape

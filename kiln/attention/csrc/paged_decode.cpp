@@ -489,18 +489,23 @@ int kiln_paged_prefill_supported(int64_t head_dim) {
 
 // Prefill chunks (prefill.h): request r's query tokens [starts[r], starts[r + 1]) of q and out
 // [tokens, heads, head_dim] over the first lens[r] keys of its table (tables [reqs, width]),
-// the chunk's own keys already in the cache. dtype (q and out) and kv_dtype (the caches):
-// 0 float32, 1 bfloat16. Only where kiln_paged_prefill_supported(head_dim).
+// the chunk's own keys already in the cache. dtype (q and out): 0 float32, 1 bfloat16;
+// kv_dtype (the caches): 0, 1 or 2 (int8 rows of head_dim values and a float32 scale). Only
+// where kiln_paged_prefill_supported(head_dim).
 void kiln_paged_prefill(int dtype, int kv_dtype, const void* q, const void* k_cache,
                         const void* v_cache, const int32_t* tables, const int32_t* starts,
                         const int32_t* lens, void* out, int64_t reqs, int64_t heads,
                         int64_t kv_heads, int64_t head_dim, int64_t block_size,
                         int64_t table_width, float scale, int threads) {
 #if defined(KILN_SIMD)
-  const PrefillShape sh{heads, kv_heads, head_dim, block_size, table_width, scale};
+  const int64_t stride = kv_dtype == 2 ? head_dim + 4 : head_dim;
+  const PrefillShape sh{heads, kv_heads, head_dim, block_size, table_width, scale, stride};
   const auto run = [&](const auto* typed_q, auto* typed_out) {
     if (kv_dtype == 0)
       prefill(typed_q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache),
+              tables, starts, lens, typed_out, reqs, sh, threads);
+    else if (kv_dtype == 2)
+      prefill(typed_q, static_cast<const int8_t*>(k_cache), static_cast<const int8_t*>(v_cache),
               tables, starts, lens, typed_out, reqs, sh, threads);
     else
       prefill(typed_q, static_cast<const uint16_t*>(k_cache),

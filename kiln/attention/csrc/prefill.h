@@ -35,6 +35,7 @@ constexpr int64_t PREFILL_GROUPS = 8;  // row groups of W sharing each tile of k
 struct PrefillShape {
   int64_t heads, kv_heads, head_dim, block_size, table_width;
   float scale;
+  int64_t head_stride;  // elements from one head row to the next: head_dim, + 4 for int8
 };
 
 // One request's chunk: query tokens [start, start + tokens) of the step at positions
@@ -141,8 +142,8 @@ template <typename T, typename KV>
 constexpr bool PAIR_DOTS = false;
 #endif
 
-// The tile's head rows as float32: a float32 cache's own rows, bf16 ones widened into buf; keys
-// past n point at zeros
+// The tile's head rows as float32: a float32 cache's own rows, bf16 ones widened into buf and
+// int8 ones dequantized into it (values times the row's scale); keys past n point at zeros
 template <typename KV>
 inline void float_rows(const KV* cache, const int64_t* rows, int64_t n, int64_t offset,
                        int64_t D, float* buf, const float* zeros, const float** out) {
@@ -157,8 +158,14 @@ inline void float_rows(const KV* cache, const int64_t* rows, int64_t n, int64_t 
     } else {
       float* dst = buf + j * D;
       int64_t d = 0;
-      for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
-      for (; d < D; ++d) dst[d] = to_float(src[d]);
+      if constexpr (std::is_same_v<KV, int8_t>) {
+        const float scale = row_scale(src, D);
+        for (; d + W <= D; d += W) vstore(dst + d, vload(src + d) * vset(scale));
+        for (; d < D; ++d) dst[d] = to_float(src[d]) * scale;
+      } else {
+        for (; d + W <= D; d += W) vstore(dst + d, vload(src + d));
+        for (; d < D; ++d) dst[d] = to_float(src[d]);
+      }
       out[j] = dst;
     }
   }
@@ -255,7 +262,8 @@ inline void group_step(RowGroup& g, int64_t t, int64_t n, const float* const* kp
 template <typename T, typename KV>
 void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& c, int64_t h,
                     int64_t group0, int64_t groups, const PrefillShape& sh, T* out) {
-  const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, row_elems = sh.kv_heads * D;
+  const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, HS = sh.head_stride;
+  const int64_t row_elems = sh.kv_heads * HS;
   std::vector<float> buffers(2 * groups * D * W, 0.f);  // queries and sums, transposed
   alignas(64) float kbuf[PREFILL_KEYS * PREFILL_MAX_DIM], vbuf[PREFILL_KEYS * PREFILL_MAX_DIM];
   alignas(64) static const float zeros[PREFILL_MAX_DIM] = {};
@@ -287,15 +295,15 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
     tile_rows(c.table, t, n, sh.block_size, row_elems, rows);
     if constexpr (pairs) {
       for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
-        kb[j] = j < n ? reinterpret_cast<const uint16_t*>(kc + rows[j] + h * D) : zero_pairs;
-        vb[j] = j < n ? reinterpret_cast<const uint16_t*>(vc + rows[j] + h * D) : zero_pairs;
+        kb[j] = j < n ? reinterpret_cast<const uint16_t*>(kc + rows[j] + h * HS) : zero_pairs;
+        vb[j] = j < n ? reinterpret_cast<const uint16_t*>(vc + rows[j] + h * HS) : zero_pairs;
       }
 #if defined(__AVX512BF16__)
       value_pairs(vb, D, vpairs);
 #endif
     } else {
-      float_rows(kc, rows, n, h * D, D, kbuf, zeros, kp);
-      float_rows(vc, rows, n, h * D, D, vbuf, zeros, vp);
+      float_rows(kc, rows, n, h * HS, D, kbuf, zeros, kp);
+      float_rows(vc, rows, n, h * HS, D, vbuf, zeros, vp);
     }
     for (int64_t i = 0; i < groups; ++i)
       if (t < rg[i].keys)
