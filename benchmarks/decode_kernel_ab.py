@@ -5,8 +5,9 @@ median of the timed calls per layer, and the largest difference between the two 
 `--layers N` gives every call its own layer's cache, N of them in turn, as a decode step reads
 them: the context then comes from memory, where one layer's cache alone may sit in the L3.
 
-    git show HEAD~1:kiln/attention/csrc/paged_decode.cpp > /tmp/before.cpp
-    python benchmarks/decode_kernel_ab.py /tmp/before.cpp kiln/attention/csrc/paged_decode.cpp
+    mkdir -p /tmp/before && git archive HEAD~1 kiln/attention/csrc | tar -x -C /tmp/before
+    python benchmarks/decode_kernel_ab.py /tmp/before/kiln/attention/csrc/paged_decode.cpp \
+        kiln/attention/csrc/paged_decode.cpp    # the whole directory: the headers it includes
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30"""
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -27,8 +28,8 @@ def built_library(source: Path, flags: tuple[str, ...]) -> Path:
     compiler = _compiler()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=60)
     key = hashlib.sha256()
-    headers = sorted(source.parent.glob("*.h"))  # what the source may include beside it
-    parts = [source.read_bytes(), *(h.read_bytes() for h in headers), " ".join(flags).encode()]
+    parts = [*(f.read_bytes() for f in [source, *included_headers(source)]),
+             " ".join(flags).encode()]  # fmt: skip
     for part in (*parts, version.stdout.encode(), _cpu_flags().encode()):
         key.update(part)
     path = Path(kiln_cache_dir()) / "kernels" / f"{source.stem}-{key.hexdigest()[:16]}.so"
@@ -48,6 +49,22 @@ def built_library(source: Path, flags: tuple[str, ...]) -> Path:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
+
+
+def included_headers(source: Path) -> list[Path]:
+    """The headers `source` includes by quoted name (`#include "x.h"`), found beside the file
+    that includes them, and theirs in turn: what a build of it depends on besides itself."""
+    found: list[Path] = []
+    pending = [source]
+    while pending:
+        including = pending.pop()
+        text = including.read_text(errors="replace")
+        for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', text, re.MULTILINE):
+            header = (including.parent / name).resolve()
+            if header.is_file() and header not in found:
+                found.append(header)
+                pending.append(header)
+    return found
 
 
 def build_failure(exc: BaseException) -> str:

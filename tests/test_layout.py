@@ -5,6 +5,7 @@ whose package map is the tree."""
 from __future__ import annotations
 
 import ast
+import fnmatch
 import re
 import subprocess
 import sys
@@ -158,3 +159,24 @@ def test_the_readme_package_map_is_the_tree():
     assert named == packages, f"README's map: {sorted(named)}; the tree: {sorted(packages)}"
     for module in re.findall(r"\b([a-z_]+\.py)\b", text):
         assert list(KILN.rglob(module)), f"README's map names {module}, which is not in kiln/"
+
+
+def test_every_kernel_source_and_what_it_includes_ships_with_the_package():
+    """kiln builds its C++ kernels at first use from the sources in the installed package, so a
+    wheel must carry each csrc/ file and every header they include (a missing header leaves
+    both CPU attention kernels unbuilt, with only a warning)."""
+    from kiln.native import included_headers
+
+    tomllib = pytest.importorskip("tomllib")  # the standard library's from Python 3.11
+
+    package_data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]
+    sources = sorted(KILN.glob("**/csrc/*.cpp"))
+    assert sources  # the attention kernels and the int4 matmul
+    for source in sources:
+        for path in [source, *included_headers(source)]:
+            package = ".".join(path.parent.parent.relative_to(ROOT).parts)
+            relative = path.relative_to(path.parent.parent).as_posix()
+            globs = package_data.get(package, [])
+            assert any(fnmatch.fnmatch(relative, g) for g in globs), (package, relative, globs)

@@ -398,7 +398,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
         self.decode_kernel = self._uses_kernel(shape)
         self.prefill_kernel = self._uses_prefill_kernel(shape)
         self.head_dim = shape.head_dim
-        self.name = "cpu-flash" if self.tuning.decode_kernel == "off" else "cpu"
+        flash_only = not (self.decode_kernel or self.prefill_kernel)
+        self.name = "cpu-flash" if flash_only and self.tuning.decode_kernel == "off" else "cpu"
 
     def _uses_kernel(self, shape: AttentionShape) -> bool:
         choice = self.tuning.decode_kernel

@@ -49,17 +49,17 @@ struct PrefillChunk {
 // and each lane's position; lanes past the chunk's rows get zeros and see every key
 template <typename T>
 inline void transpose_queries(const T* q, const PrefillChunk& c, int64_t h, int64_t row0,
-                              const PrefillShape& sh, float* qt, float* pos) {
+                              const PrefillShape& sh, float* qt, int32_t* pos) {
   const int64_t G = sh.heads / sh.kv_heads, D = sh.head_dim, rows = c.tokens * G;
   for (int64_t lane = 0; lane < W; ++lane) {
     const int64_t row = row0 + lane;
     if (row >= rows) {
-      pos[lane] = 3e38f;
+      pos[lane] = std::numeric_limits<int32_t>::max();
       for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = 0.f;
       continue;
     }
     const T* qr = q + ((c.start + row / G) * sh.heads + h * G + row % G) * D;
-    pos[lane] = static_cast<float>(c.cached + row / G);
+    pos[lane] = static_cast<int32_t>(c.cached + row / G);
     for (int64_t d = 0; d < D; ++d) qt[d * W + lane] = to_float(qr[d]);
   }
 }
@@ -198,19 +198,19 @@ inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D,
 // One online-softmax step over a tile of keys from position t: scores s in, weights out (in s);
 // m and l, the running max and sum, updated; returns the factor earlier sums are scaled by.
 // `causal`: some key of the tile lies past some row's position (the diagonal, the chunk's end).
-inline vf softmax_step(vf* s, int64_t t, bool causal, vf pos, float scale, vf& m, vf& l) {
+inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l) {
   const vf minus_inf = vset(NEG_INF);
   vf mx = m;
   for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
     s[j] = s[j] * vset(scale);
-    if (causal) s[j] = vselect_le(vset(static_cast<float>(t + j)), pos, s[j], minus_inf);
+    if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], minus_inf);
     mx = vmax(mx, s[j]);
   }
   const vf alpha = vexp(m - mx);  // 0 (to float32's last bits) on the first step, m = -inf
   vf sum = vzero();
   for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
     s[j] = vexp(s[j] - mx);
-    if (causal) s[j] = vselect_le(vset(static_cast<float>(t + j)), pos, s[j], vzero());
+    if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], vzero());
     sum = sum + s[j];
   }
   l = l * alpha + sum;
@@ -223,7 +223,7 @@ inline vf softmax_step(vf* s, int64_t t, bool causal, vf pos, float scale, vf& m
 struct RowGroup {
   int64_t row0, rows, keys, first_hidden;  // keys: through its last row's position
   float *qt, *acc;
-  float pos[W];
+  int32_t pos[W];
   vf m, l;
 };
 
@@ -248,7 +248,7 @@ inline void group_step(RowGroup& g, int64_t t, int64_t n, const float* const* kp
   // a partial tile is its group's last, so always causal: keys past n are hidden from every
   // real row (only lanes past the chunk's rows weigh their zero rows, and are not written)
   const bool causal = t + PREFILL_KEYS > g.first_hidden;
-  const vf alpha = softmax_step(s, t, causal, vload(g.pos), scale, g.m, g.l);
+  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l);
 #if defined(__AVX512BF16__)
   if constexpr (pairs) add_value_pairs(s, n, vpairs, D, alpha, g.acc);
 #endif

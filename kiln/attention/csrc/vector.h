@@ -64,8 +64,11 @@ inline float vsum(vf x) { return _mm512_reduce_add_ps(x); }
 inline vf vmax(vf a, vf b) { return _mm512_max_ps(a, b); }
 inline vf vpow2(vf p, vf fi) { return _mm512_scalef_ps(p, fi); }  // p * 2^fi
 inline vf vfloor(vf x) { return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
-// a where x <= y, else b, lane by lane
-inline vf vselect_le(vf x, vf y, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, y, _CMP_LE_OQ), b, a); }
+// W int32 lanes; a where x <= y, else b, lane by lane
+using vi = __m512i;
+inline vi viload(const int32_t* p) { return _mm512_loadu_si512(p); }
+inline vi viset(int32_t x) { return _mm512_set1_epi32(x); }
+inline vf vselect_le(vi x, vi y, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(x, y), b, a); }
 inline __m256 vhalves(vf x) {  // the 16 lanes folded to 8
   const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
   return _mm256_add_ps(_mm512_castps512_ps256(x), high);
@@ -98,7 +101,10 @@ inline vf vpow2(vf p, vf fi) {
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 inline vf vfloor(vf x) { return _mm256_floor_ps(x); }
-inline vf vselect_le(vf x, vf y, vf a, vf b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(x, y, _CMP_LE_OQ)); }
+using vi = __m256i;
+inline vi viload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+inline vi viset(int32_t x) { return _mm256_set1_epi32(x); }
+inline vf vselect_le(vi x, vi y, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(x, y))); }
 inline __m256 vhalves(vf x) { return x; }
 #endif
 
