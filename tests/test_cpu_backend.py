@@ -358,6 +358,18 @@ def _queries_as_scored(kernel, q: torch.Tensor, kv_dtype: torch.dtype) -> torch.
     return q
 
 
+def _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g):
+    """Block tables of requests with `lens` keys over a random permutation of the blocks, and
+    random caches of `kv_dtype` (K and V stacked) that hold them."""
+    need = [-(-n // block_size) for n in lens]
+    order = torch.randperm(sum(need), generator=g).int()
+    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    for row, table in enumerate(order.split(need)):
+        tables[row, : len(table)] = table
+    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
+    return tables, _narrow_cache(caches, kv_dtype)
+
+
 def _kernel_build(build: str):
     """The decode kernel built as `build` names (skipped where this CPU cannot run it), checked
     to report the ISA it was built for."""
@@ -401,13 +413,7 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     dtype, kv_dtype = _kernel_types(dtype)
     g = torch.Generator().manual_seed(3)
     lens, block_size = [1100, 257, 64, 9], 16
-    need = [-(-n // block_size) for n in lens]
-    order = torch.randperm(sum(need), generator=g).int()
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    for row, table in enumerate(order.split(need)):
-        tables[row, : len(table)] = table
-    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
-    caches = _narrow_cache(caches, kv_dtype)
+    tables, caches = _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g)
     q = torch.randn(len(lens), heads, dim, generator=g).to(dtype)
     out = torch.full_like(q, float("nan"))
     kernel.run(q, caches[0], caches[1], tables, torch.tensor(lens, dtype=torch.int32), out,
@@ -446,13 +452,7 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threa
     g = torch.Generator().manual_seed(5)
     tokens, cached, block_size = [70, 33, 1, 16, 40], [0, 45, 300, 16, 14], 16
     lens = [c + n for c, n in zip(cached, tokens)]
-    need = [-(-n // block_size) for n in lens]
-    order = torch.randperm(sum(need), generator=g).int()
-    tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
-    for row, table in enumerate(order.split(need)):
-        tables[row, : len(table)] = table
-    caches = torch.randn(2, sum(need), block_size, kv_heads, dim, generator=g)
-    caches = _narrow_cache(caches, kv_dtype)
+    tables, caches = _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g)
     q = torch.randn(sum(tokens), heads, dim, generator=g).to(dtype)
     starts = torch.tensor([0, *np.cumsum(tokens)], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
