@@ -37,6 +37,7 @@ from kiln import LLM, SamplingParams
 PROMPT = "Write a long story about a lighthouse keeper and her cat."
 LINEAR_OPS = (
     "kiln::int4_mm",
+    "kiln::bf16_mm",
     "kiln::onednn_linear",
     "mkldnn::_linear_pointwise",
     "aten::_weight_int4pack_mm_for_cpu",
@@ -71,15 +72,17 @@ class Timers:
 
 
 def measure(
-    spec: str, tokens: int, threads: int, context: int, streams: int, model: str | None = None
-) -> dict[str, float]:
+    spec: str, tokens: int, threads: int, context: int, streams: int, model: str | None = None,
+    cpu_linears: str = "auto",
+) -> dict[str, float]:  # fmt: skip
     quantization, dtypes, mode, *rest = spec.split(":", 4)
     dtype, kv_dtype = [*dtypes.split("/"), "auto"][:2]
     backend, options = (rest + ["auto", "{}"][len(rest) :])[:2]
     torch.set_num_threads(threads)
     compilation = {"mode": int(mode), "inductor_compile_config": json.loads(options)}
     llm = LLM(model, quantization=quantization, dtype=dtype, compilation_config=compilation,
-              attention_backend=backend, kv_cache_dtype=kv_dtype)  # fmt: skip
+              attention_backend=backend, kv_cache_dtype=kv_dtype,
+              cpu_linears=cpu_linears)  # fmt: skip
     prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen
@@ -182,10 +185,17 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=0, help="prompt tokens (default: short)")
     parser.add_argument("--streams", type=int, default=1, help="concurrent streams per step")
     parser.add_argument("--model", help="a model path (default: the embedded model)")
+    parser.add_argument(
+        "--cpu-linears", nargs="+", default=["auto"], choices=("auto", "onednn"),
+        help="bf16 linears' kernel; two values measure each configuration with both",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = {
-        spec: measure(spec, args.tokens, args.threads, args.context, args.streams, args.model)
+        f"{spec}{'' if len(args.cpu_linears) == 1 else '/' + linears}": measure(
+            spec, args.tokens, args.threads, args.context, args.streams, args.model, linears
+        )
         for spec in args.configs
+        for linears in args.cpu_linears
     }
     names = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"\n{'ms per decode step':34}" + "".join(f"{s:>17}" for s in rows))

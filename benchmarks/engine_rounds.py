@@ -74,11 +74,13 @@ def main() -> None:
     ap.add_argument("--kv-cache-memory", default="2GiB")
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention-backend", default="auto")
+    ap.add_argument("--cpu-linears", default="auto", choices=("auto", "onednn"))
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, compilation_config={"mode": args.mode},
               prefill_weights=args.prefill_weights, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(16, args.streams), max_num_batched_tokens=512,
-              attention_backend=args.attention_backend)  # fmt: skip
+              attention_backend=args.attention_backend,
+              cpu_linears=args.cpu_linears)  # fmt: skip
     rows = []
     for r in range(args.rounds):
         rows.append(one_round(llm, _prompts(llm, args.streams, args.prompt, r), args.tokens))

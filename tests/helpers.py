@@ -35,6 +35,7 @@ def make_engine(
     prefill_weights: str = "auto",
     speculative=None,
     kv_cache_dtype: str = "auto",
+    cpu_linears: str = "auto",
 ) -> LLMEngine:
     return build_engine(
         EngineConfig(
@@ -43,6 +44,7 @@ def make_engine(
             dtype=dtype,
             quantization=quantization,
             prefill_weights=prefill_weights,
+            cpu_linears=cpu_linears,
             cache=CacheConfig(
                 block_size=block_size,
                 kv_cache_memory=kv_cache_memory,

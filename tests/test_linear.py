@@ -1,6 +1,7 @@
-"""The CPU weight layouts of `Linear`: each dtype gets oneDNN's prepacked weight where this CPU
-runs it natively, the transposed BLAS layout otherwise, and every layout computes x W^T + b as
-well as `F.linear` in the same dtype does (against a float64 reference)."""
+"""The CPU weight layouts of `Linear`: bf16 gets kiln's own kernel where this CPU has AVX512-BF16,
+each dtype oneDNN's prepacked weight where this CPU runs it natively, the transposed BLAS layout
+otherwise, and every layout computes x W^T + b as well as `F.linear` in the same dtype does
+(against a float64 reference)."""
 
 import logging
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kiln.layers.bf16_kernel import bf16_matmul_kernel
 from kiln.layers.linear import Linear, onednn_runs, slow_cpu_dtype
 from tests.helpers import make_engine
 
@@ -24,9 +26,12 @@ def _layer(dtype: torch.dtype, bias: bool) -> Linear:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_finalize_picks_onednn_where_it_runs_natively(dtype):
+def test_finalize_picks_the_bf16_kernel_or_onednn_where_they_run_natively(dtype):
     layer = _layer(dtype, bias=False)
     layer.finalize(torch.device("cpu"))
+    if dtype == torch.bfloat16 and bf16_matmul_kernel() is not None:
+        assert layer.layout == "pairs"
+        return
     assert layer.layout == ("onednn" if onednn_runs(dtype) else "transposed")
     assert layer.weight.dtype == dtype
 
@@ -51,6 +56,7 @@ def test_every_layout_matches_f_linear(dtype, bias, shape):
 def test_a_half_dtype_without_native_kernels_is_warned_about(tiny_models, monkeypatch, caplog):
     assert slow_cpu_dtype(torch.float32) is None
     monkeypatch.setattr("kiln.layers.linear.onednn_runs", lambda dtype: dtype == torch.float32)
+    monkeypatch.setattr("kiln.layers.linear.pairs_runs", lambda weight: False)  # no AVX512-BF16
     message = slow_cpu_dtype(torch.bfloat16)
     assert "AVX512-BF16" in message and "Remedy: compare with --dtype float32" in message
     with caplog.at_level(logging.WARNING, logger="kiln.boot"):

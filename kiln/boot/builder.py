@@ -12,6 +12,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
+from kiln.boot.cpu_linears import lay_out_cpu_linears
 from kiln.boot.draft import (
     build_draft_runner,
     capture_draft_graphs,
@@ -137,6 +138,8 @@ def load_model(
     model = build_on(device, dtype, lambda: build_model(source.config, attn_backend))
     load_weights(model, source.tensors(dtype, keep_packed=config.quantization == "auto"))
     model.finalize(device)
+    if device.type == "cpu":
+        lay_out_cpu_linears(model, dtype, config.cpu_linears)
     keep_dense_copies(model, dtype, device, config.prefill_weights)
     model.weight_summary = weight_summary(model)
     logger.info("weights: %s", describe_weights(model.weight_summary))

@@ -14,6 +14,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
+from kiln.boot.cpu_linears import lay_out_cpu_linears
 from kiln.boot.kv_cache import kv_bytes_per_block
 from kiln.boot.preview import kv_dtype, resolve_plan, select_attention, torch_dtype
 from kiln.config.engine import EngineConfig
@@ -80,6 +81,8 @@ def _mtp_head(config: EngineConfig, target_model, device: torch.device) -> Loade
     head = build_on(device, torch_dtype(config), lambda: MTPHead(cfg, backend, target_model))
     load_weights(head, [(name.removeprefix("mtp."), t) for name, t in tensors.items()])
     head.finalize(device)
+    if device.type == "cpu":
+        lay_out_cpu_linears(head, torch_dtype(config), config.cpu_linears)
     tensors.clear()
     if hasattr(target_model, "weight_summary"):  # `kiln info`'s rows: the head's weights too
         rows = [(f"MTP head, {fmt}", n, b) for fmt, n, b in weight_summary(head)]

@@ -154,11 +154,13 @@ def preview_engine(config: EngineConfig) -> EnginePreview:
 
 
 def keyed_model(source: ModelSource, config: EngineConfig, attention: AttentionBackend) -> dict:
-    """The model's part of the compile cache key: its config, whether its weights may be packed
-    and whether packed ones get dense copies (other ops in the graph), and its attention
+    """The model's part of the compile cache key: its config, whether its weights may be packed,
+    whether packed ones get dense copies and which kernel runs CPU linears (other ops in the
+    graph), and its attention
     backend (another op and metadata type in the graph: a trace saved for one backend fails its
     guards under another)."""
     return {**source.config.to_dict(), "quantization": config.quantization,
             "prefill_weights": config.prefill_weights,
+            "cpu_linears": config.cpu_linears,
             "kv_cache_dtype": str(kv_dtype(config)),
             "attention_backend": attention.name}  # fmt: skip

@@ -206,6 +206,15 @@ class EngineConfig:
             choices=("auto", "dense", "packed"),
         ),
     )
+    cpu_linears: str = field(
+        default="auto",
+        metadata=option(
+            str,
+            "bf16 linears on the CPU: auto (default) runs them on kiln's C++ kernel where the "
+            "CPU has AVX512-BF16, else on oneDNN; onednn: on oneDNN always",
+            choices=("auto", "onednn"),
+        ),
+    )
     device: str = field(default="auto", metadata=option(str, "auto (default), cpu or cuda[:N]"))
     seed: int = field(
         default=0, metadata=option(int, "engine seed for unseeded sampling (default 0)")

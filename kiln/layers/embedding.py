@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers.bf16_kernel import pack_pairs, pairs_linear, pairs_runs, unpack_pairs
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
 from kiln.layers.packed import PackedInt4, QuantizedTensor, unpackable_reason
 
@@ -17,6 +18,7 @@ class VocabEmbedding(nn.Module):
         # attribute, which Dynamo's saved guards cannot hold (it breaks the saved trace)
         self.register_buffer("out_dtype", torch.empty(0), persistent=False)
         self.packed_head: torch.Tensor | None = None
+        self.head_layout = "onednn"  # or "pairs" (kiln's bf16 kernel): packed_head's layout
         self.packed: PackedInt4 | None = None  # a 4-bit table: lookup and head read it
         self.fallback_reason: str | None = None
 
@@ -38,12 +40,21 @@ class VocabEmbedding(nn.Module):
     def finalize(self, device: torch.device, used_as_lm_head: bool) -> None:
         """A quantized table stays packed on the CPU, where its rows can be read back for the
         lookup (on CUDA tinygemm's layout cannot, so it is dequantized). Otherwise, on the CPU
-        a tied LM head runs fastest from oneDNN's packed layout (see Linear); the lookup table
-        stays as it is, so this costs one more copy of the embedding."""
+        a tied LM head runs fastest from kiln's bf16 kernel's or oneDNN's packed layout (see
+        Linear); the lookup table stays as it is, so this costs one more copy of the embedding."""
         if self.packed is not None:
             return
         if device.type == "cpu" and used_as_lm_head and self.packed_head is None:
-            self.packed_head = prepack_for_cpu(self.weight)
+            self.head_layout = "pairs" if pairs_runs(self.weight) else "onednn"
+            self.packed_head = (pack_pairs if self.head_layout == "pairs" else prepack_for_cpu)(
+                self.weight
+            )
+
+    def use_onednn(self) -> None:
+        """oneDNN's layout for a tied head that `finalize` gave kiln's bf16 kernel."""
+        if self.packed_head is not None and self.head_layout == "pairs":
+            self.packed_head = prepack_for_cpu(unpack_pairs(self.packed_head, self.weight.shape[0]))
+            self.head_layout = "onednn"
 
     def _pack(self, table: QuantizedTensor, device: torch.device) -> None:
         reason = unpackable_reason(table, device)
@@ -64,6 +75,8 @@ class VocabEmbedding(nn.Module):
     def as_lm_head(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return self.packed(hidden)
+        if self.packed_head is not None and self.head_layout == "pairs":
+            return pairs_linear(hidden, self.packed_head, self.weight.shape[0])
         if self.packed_head is not None:
             return onednn_linear(hidden, self.packed_head)
         return F.linear(hidden, self.weight)

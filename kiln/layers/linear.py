@@ -2,17 +2,21 @@
 arrives 4-bit (`QuantizedTensor`: GGUF Q4/Q8, GPTQ, AutoRound) is kept packed when every part of
 the layer is and a kernel runs it (kiln/layers/packed.py), else dequantized into the dense weight.
 
-After loading, `finalize` picks the layout the device runs fastest. On the CPU that is oneDNN's
-prepacked weight (the layout Inductor's weight freezing uses), faster than BLAS at every batch
-size measured, in fp32 and in bf16 on CPUs with AVX512-BF16 (docs/performance.md, "Why the CPU
-kernels are what they are"). Without oneDNN the weight is stored transposed ([in, out]), which
-BLAS streams faster than [out, in] for 1-2 rows."""
+After loading, `finalize` picks the layout the device runs fastest. On the CPU a bf16 weight
+on a CPU with AVX512-BF16 is packed in pairs for kiln's own kernel (kiln/layers/bf16_kernel.py),
+faster than oneDNN at every batch size measured and most at decode steps' few rows
+(docs/performance.md, "A bf16 kernel for the linears"); `--cpu-linears onednn` keeps oneDNN.
+Other weights take oneDNN's prepacked layout (the one Inductor's weight freezing uses), faster
+than BLAS at every batch size measured (docs/performance.md, "Why the CPU kernels are what they
+are"). Without oneDNN the weight is stored transposed ([in, out]), which BLAS streams faster than
+[out, in] for 1-2 rows."""
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers.bf16_kernel import pack_pairs, pairs_linear, pairs_runs, unpack_pairs
 from kiln.layers.packed import PackedInt4, QuantizedTensor, cat_rows, unpackable_reason
 
 
@@ -24,7 +28,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        self.layout = "dense"  # or "onednn" (prepacked), "transposed" or "int4" (packed)
+        # or "pairs" (kiln's bf16 kernel), "onednn" (prepacked), "transposed", "int4" (packed)
+        self.layout = "dense"
         self.packed: PackedInt4 | None = None
         self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until packed
         self.fallback_reason: str | None = None  # why quantized parts were dequantized
@@ -64,6 +69,20 @@ class Linear(nn.Module):
             self._pack(device)
         if device.type != "cpu" or self.layout != "dense":
             return
+        if pairs_runs(self.weight) and (self.bias is None or self.bias.dtype == torch.bfloat16):
+            self.weight = nn.Parameter(pack_pairs(self.weight), requires_grad=False)
+            self.layout = "pairs"
+            return
+        self.use_onednn()
+
+    def use_onednn(self) -> None:
+        """oneDNN's layout for a CPU weight that `finalize` gave kiln's bf16 kernel (or has not
+        laid out yet): `--cpu-linears onednn`."""
+        if self.layout == "pairs":
+            self.weight = nn.Parameter(unpack_pairs(self.weight, self.out_features), False)
+            self.layout = "dense"
+        if self.layout != "dense":
+            return
         packed = prepack_for_cpu(self.weight)
         if packed is not None:
             self.weight = nn.Parameter(packed, requires_grad=False)
@@ -94,6 +113,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.layout == "int4":
             return self.packed(x, self.bias)
+        if self.layout == "pairs":
+            return pairs_linear(x, self.weight, self.out_features, self.bias)
         if self.layout == "onednn":
             return onednn_linear(x, self.weight, self.bias)
         if self.layout == "transposed":

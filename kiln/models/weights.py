@@ -238,6 +238,7 @@ def _format(module: Linear | VocabEmbedding) -> str:
     if module.fallback_reason:
         return f"{what}: dequantized to {dtype} ({module.fallback_reason})"
     layout = getattr(module, "layout", "dense")
+    layout = "paired for kiln's bf16 kernel" if layout == "pairs" else layout
     return f"{what}: {dtype}" + (f" ({layout})" if layout != "dense" else "")
 
 

@@ -1,0 +1,168 @@
+"""kiln's CPU bf16 matmul (`csrc/bf16_mm.cpp`): bf16 rows times a bf16 weight packed in pairs
+along its input dimension, the layout AVX512-BF16's pair products read, built at first use
+(kiln/native.py).
+
+On CPUs with AVX512-BF16 it runs every bf16 linear of a model in place of oneDNN's: faster at
+every batch size measured, most at the few rows of decode steps (docs/performance.md, "A bf16
+kernel for the linears"). Elsewhere oneDNN keeps them; the portable build is the reference the
+tests hold the vector build to, never the engine's path."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.native import FLAGS, build_failure, built_library
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "bf16_mm.cpp"
+COLUMNS = 16  # output columns in one packed vector
+
+
+@dataclass(frozen=True)
+class Bf16MatmulKernel:
+    """The loaded library: `matmul` multiplies bf16 rows by a weight from `pack_pairs`."""
+
+    library: ctypes.CDLL
+    vectorized: bool  # AVX512-BF16; else the portable loops
+
+    def matmul(
+        self, rows: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """bf16 [R, K] rows (contiguous, K even) times the packed [N, K] weight, plus `bias`
+        (bf16 [N]) -> bf16 [R, N]."""
+        m, k = rows.shape
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        self.library.kiln_bf16_mm(
+            rows.data_ptr(), m, k, packed.data_ptr(), n,
+            None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
+    """A bf16 [N, K] weight (K even) as [ceil(N/16), K/2, 16, 2]: for every 16 output columns
+    and pair of input columns, the 32 values one vdpbf16ps reads; columns past N are zeros."""
+    n, k = weight.shape
+    vectors = -(-n // COLUMNS)
+    padded = torch.zeros(vectors * COLUMNS, k, dtype=torch.bfloat16)
+    padded[:n] = weight
+    return padded.view(vectors, COLUMNS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The [N, K] weight `pack_pairs` packed."""
+    vectors, pairs = packed.shape[:2]
+    return packed.permute(0, 2, 1, 3).reshape(vectors * COLUMNS, pairs * 2)[:n].contiguous()
+
+
+def pairs_runs(weight: torch.Tensor) -> bool:
+    """Whether the engine runs `weight` ([N, K] on the CPU) on kiln's kernel: bf16, K even,
+    and a kernel built with AVX512-BF16 on this machine."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.bfloat16
+        and weight.dim() == 2
+        and weight.shape[1] % 2 == 0
+        and bf16_matmul_kernel() is not None
+    )
+
+
+@functools.cache
+def bf16_matmul_kernel() -> Bf16MatmulKernel | None:
+    """The engine's kernel: built once per machine and cache directory, None where it cannot be
+    built or this CPU lacks AVX512-BF16 (oneDNN runs the bf16 linears then)."""
+    try:
+        kernel = load_bf16_matmul(FLAGS)
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning(
+            "kiln's CPU bf16 matmul could not be built (%s): bf16 linears run on oneDNN, "
+            "slower for decode steps. Remedy: install a C++ compiler with OpenMP (g++), or set "
+            "CXX",
+            build_failure(exc),
+        )
+        return None
+    if not kernel.vectorized:
+        return None
+    error = self_check_error(kernel)
+    if error > SELF_CHECK_TOLERANCE:
+        logger.warning(
+            "kiln's CPU bf16 matmul disagrees with a float64 product on a known matrix "
+            "(relative error %.2e): bf16 linears run on oneDNN. Remedy: none needed to serve; "
+            "report the CPU's flags (grep flags /proc/cpuinfo)",
+            error,
+        )
+        return None
+    return kernel
+
+
+SELF_CHECK_TOLERANCE = 1e-2  # the output's own bf16 rounding is 2^-9 of a value; a misread: ~1
+
+
+def self_check_error(kernel: Bf16MatmulKernel) -> float:
+    """The kernel's largest error on a small random product (ragged rows, columns and a bias),
+    relative to the largest float64 value by hand: a vector path that misreads the layout on
+    some CPU is found at boot, not in a model's output."""
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(37, 64, generator=g).to(torch.bfloat16)
+    bias = torch.randn(37, generator=g).to(torch.bfloat16)
+    rows = torch.randn(11, 64, generator=g).to(torch.bfloat16)
+    want = rows.double() @ weight.double().t() + bias.double()
+    got = kernel.matmul(rows, pack_pairs(weight), 37, bias).double()
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def load_bf16_matmul(flags: tuple[str, ...]) -> Bf16MatmulKernel:
+    """The kernel built with `flags`, loaded; raises where it cannot be built or loaded."""
+    library = ctypes.CDLL(str(built_library(SOURCE, flags)))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    library.kiln_bf16_mm_isa.restype = ctypes.c_int
+    library.kiln_bf16_mm.restype = None
+    library.kiln_bf16_mm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    return Bf16MatmulKernel(library, library.kiln_bf16_mm_isa() == 1)
+
+
+def describe_bf16_kernel() -> str:
+    """What multiplies the bf16 linears on this CPU, for the boot log and `kiln info`."""
+    if bf16_matmul_kernel() is None:
+        return "oneDNN (kiln's bf16 kernel needs AVX512-BF16 and a C++ compiler)"
+    return "kiln's C++ kernel built with AVX512-BF16"
+
+
+def _pairs_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    kernel = bf16_matmul_kernel()
+    if kernel is None:  # a graph traced where the kernel ran, called where it does not
+        raise RuntimeError("kiln::bf16_mm needs kiln's bf16 kernel, which is not built here")
+    rows = x.reshape(-1, x.shape[-1])
+    y = kernel.matmul(rows.to(torch.bfloat16).contiguous(), packed, n, bias)
+    return y.view(*x.shape[:-1], n)
+
+
+# Opaque in compiled graphs, like kiln::onednn_linear: Inductor's code calls it through the
+# dispatcher; eager calls skip the dispatcher (a decode step makes ~200 of these calls).
+_LIB = torch.library.Library("kiln", "FRAGMENT")
+_LIB.define("bf16_mm(Tensor x, Tensor packed, int n, Tensor? bias) -> Tensor")
+_LIB.impl("bf16_mm", _pairs_linear, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "kiln::bf16_mm",
+    lambda x, packed, n, bias: x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16),
+    lib=_LIB,
+)
+
+
+def pairs_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] times a `pack_pairs` weight of `n` output columns, plus `bias`: bf16 [..., n]."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.bf16_mm(x, packed, n, bias)
+    return _pairs_linear(x, packed, n, bias)

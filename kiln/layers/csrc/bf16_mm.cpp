@@ -1,0 +1,171 @@
+// Rows times a bfloat16 weight on CPUs with AVX512-BF16, for the small batches of decode steps.
+//
+// The weight is packed once at load in pairs along k ([ceil(n/16), k/2, 16, 2]: for each 16
+// output columns and each pair of input columns, one 64-byte vector), the layout the
+// vdpbf16ps instruction reads: one instruction multiplies a row's pair (k, k+1), broadcast,
+// by 16 columns' pairs and adds both exact products to 16 float32 sums. A tile of R rows by
+// V * 16 columns keeps R * V sums in registers across all of k, so each weight vector loaded
+// serves R rows and each row's pair serves V vectors; the sums are rounded to bfloat16 once,
+// after the bias (round to nearest even, as torch rounds).
+//
+// Why a kernel of kiln's own: oneDNN's bf16 linear runs a 16-row batch at about 40% of these
+// cores' vdpbf16ps peak and a single row at half the memory's bandwidth (docs/performance.md,
+// "A bf16 kernel for decode steps"); a decode step is linears over a few rows.
+//
+// Built at first use by kiln/layers/bf16_kernel.py with the machine's compiler (-O3
+// -march=native -fopenmp). Without AVX512-BF16 the portable loops compute the same sums (the
+// reference the tests hold the vector build to; the engine keeps oneDNN there).
+
+#include <cstdint>
+#include <cstring>
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define KILN_BF16_SIMD 1
+#endif
+
+namespace {
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+struct Problem {
+  const uint16_t* x;       // [m, k] bf16 rows
+  int64_t m, k;            // k even
+  const uint16_t* packed;  // [vectors, k / 2, 16, 2] bf16
+  int64_t n;               // output columns; vectors = ceil(n / 16), the last one zero-padded
+  const uint16_t* bias;    // [n] bf16 or null
+  uint16_t* out;           // [m, n] bf16
+};
+
+// A tile: 8 rows by 3 vectors of 16 columns, 24 sums, 3 weights and a broadcast in registers.
+// Measured against 4 x 6, 6 x 4, 12 x 2 and 16 x 1 at 1 to 528 rows: level or best everywhere.
+constexpr int ROWS = 8;
+constexpr int VECTORS = 3;
+
+#ifdef KILN_BF16_SIMD
+// Rows m0 .. m0 + R by vectors v0 .. v0 + V over all of k. `next`, where given, is the weight of
+// the tile this thread takes after the current row tiles: its lines are fetched into L2 while
+// this tile computes from weights already there, so that memory and the pair products overlap.
+template <int R, int V>
+void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next) {
+  const int64_t pairs = p.k / 2;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  const uint16_t* w = p.packed + v0 * pairs * 32;
+  for (int64_t q = 0; q < pairs; ++q) {
+    __m512bh wv[V];
+    for (int v = 0; v < V; ++v) {
+      wv[v] = (__m512bh)_mm512_loadu_si512(w + (v * pairs + q) * 32);
+      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + (v * pairs + q) * 32), _MM_HINT_T1);
+    }
+    for (int r = 0; r < R; ++r) {
+      int32_t pair;
+      std::memcpy(&pair, p.x + (m0 + r) * p.k + 2 * q, 4);
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbf16_ps(acc[r][v], xv, wv[v]);
+    }
+  }
+  for (int v = 0; v < V; ++v) {
+    const int64_t n0 = (v0 + v) * 16;
+    const int64_t valid = p.n - n0 < 16 ? p.n - n0 : 16;
+    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+    __m512 bias = _mm512_setzero_ps();
+    if (p.bias) {
+      const __m256i b = _mm256_maskz_loadu_epi16(mask, p.bias + n0);
+      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], bias));
+      _mm256_mask_storeu_epi16(p.out + (m0 + r) * p.n + n0, mask, (__m256i)y);
+    }
+  }
+}
+
+template <int R, int V>
+void tile_vectors(const Problem& p, int64_t m0, int64_t v0, int64_t vectors, const uint16_t* next) {
+  if constexpr (V > 1) {
+    if (vectors < V) return tile_vectors<R, V - 1>(p, m0, v0, vectors, next);
+  }
+  tile<R, V>(p, m0, v0, next);
+}
+
+template <int R>
+void run_tile_rows(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
+                   const uint16_t* next) {
+  if constexpr (R > 1) {
+    if (rows < R) return run_tile_rows<R - 1>(p, m0, rows, v0, vectors, next);
+  }
+  tile_vectors<R, VECTORS>(p, m0, v0, vectors, next);
+}
+
+void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
+              const uint16_t* next) {
+  run_tile_rows<ROWS>(p, m0, rows, v0, vectors, next);
+}
+#else
+// The same sums in scalar code: each pair's two products are exact in float32 and are added to
+// the column's sum one after the other, as Intel documents vdpbf16ps.
+void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
+              const uint16_t*) {
+  const int64_t pairs = p.k / 2;
+  for (int64_t r = m0; r < m0 + rows; ++r) {
+    for (int64_t c = v0 * 16; c < (v0 + vectors) * 16 && c < p.n; ++c) {
+      const uint16_t* w = p.packed + (c / 16) * pairs * 32 + (c % 16) * 2;
+      float sum = 0.0f;
+      for (int64_t q = 0; q < pairs; ++q) {
+        const float a = bf16_to_float(p.x[r * p.k + 2 * q]) * bf16_to_float(w[q * 32]);
+        const float b = bf16_to_float(p.x[r * p.k + 2 * q + 1]) * bf16_to_float(w[q * 32 + 1]);
+        sum += a;
+        sum += b;
+      }
+      p.out[r * p.n + c] = float_to_bf16(sum + (p.bias ? bf16_to_float(p.bias[c]) : 0.0f));
+    }
+  }
+}
+#endif
+
+}  // namespace
+
+extern "C" {
+
+// 1 where this build multiplies with AVX512-BF16, 0 for the portable loops.
+int kiln_bf16_mm_isa() {
+#ifdef KILN_BF16_SIMD
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out [m, n] bf16 = x [m, k] bf16 times the packed weight, plus bias where given. Work items
+// are tiles of ROWS rows by VECTORS * 16 columns, column-major so that a thread's items share
+// their weight columns across the row tiles.
+void kiln_bf16_mm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
+                  const uint16_t* bias, uint16_t* out, int threads) {
+  const Problem p{x, m, k, packed, n, bias, out};
+  const int64_t vectors = (n + 15) / 16, column_tiles = (vectors + VECTORS - 1) / VECTORS;
+  const int64_t row_tiles = (m + ROWS - 1) / ROWS, items = column_tiles * row_tiles;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t v0 = (item / row_tiles) * VECTORS, m0 = (item % row_tiles) * ROWS;
+    const int64_t rows = m - m0 < ROWS ? m - m0 : ROWS;
+    const bool last_rows = m0 + ROWS >= m, more = v0 + VECTORS < vectors;
+    const uint16_t* next = row_tiles > 1 && last_rows && more ? packed + (v0 + VECTORS) * k * 16 : nullptr;
+    run_tile(p, m0, rows, v0, vectors - v0 < VECTORS ? vectors - v0 : VECTORS, next);
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,148 @@
+"""kiln's CPU bf16 matmul (kiln/layers/bf16_kernel.py): the kernel against float64 by hand in
+every build this CPU runs, its packing, the linear layer and tied head that use it, and the
+`--cpu-linears` choice in a running engine."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln import native
+from kiln.layers import bf16_kernel
+from kiln.layers.bf16_kernel import pack_pairs, unpack_pairs
+from kiln.layers.linear import Linear
+
+HAS_BF16 = "avx512_bf16" in native._cpu_flags().split()
+
+
+def _build(build: str):
+    """The kernel as `build` names it: the engine's (native) or the portable loops."""
+    if build == "native":
+        kernel = bf16_kernel.bf16_matmul_kernel()
+        if not HAS_BF16:
+            assert kernel is None  # oneDNN keeps the linears on CPUs without AVX512-BF16
+            pytest.skip("this CPU has no AVX512-BF16")
+        assert kernel is not None and kernel.vectorized
+        return kernel
+    generic = tuple(f for f in native.FLAGS if f != "-march=native")
+    kernel = bf16_kernel.load_bf16_matmul(generic)
+    assert not kernel.vectorized
+    return kernel
+
+
+def _by_hand(x, w, bias):
+    want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+    # float32 sums of exact products, then one bf16 rounding of the result
+    scale = x.double().abs() @ w.double().abs().t()
+    return want, want.abs() * 2.0**-8 + scale * 1e-6
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_the_kernel_matches_a_product_by_hand(build):
+    """Rows 1 to 33 (tiles of 8 and their remainders), columns that fill 3 vectors and ragged
+    ones (1, 37, 200: the last vector masked), k from one pair to 578, with and without a bias,
+    1 and 3 threads."""
+    kernel = _build(build)
+    g = torch.Generator().manual_seed(0)
+    for n, k in [(48, 64), (1, 2), (37, 578), (200, 96), (16, 130)]:
+        w = torch.randn(n, k, generator=g).to(torch.bfloat16)
+        packed = pack_pairs(w)
+        for rows in (1, 5, 8, 9, 17, 33):
+            for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
+                x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+                want, tolerance = _by_hand(x, w, bias)
+                for threads in (1, 3):
+                    torch.set_num_threads(threads)
+                    try:
+                        got = kernel.matmul(x, packed, n, bias)
+                    finally:
+                        torch.set_num_threads(2)
+                    assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                    err = (got.double() - want).abs()
+                    assert (err <= tolerance).all(), (n, k, rows, err.max().item())
+
+
+def test_packing_is_pairs_of_columns_and_comes_back():
+    """Column c of vector v holds (w[16v + c, 2q], w[16v + c, 2q + 1]) at pair q; the padding
+    is zeros; unpacking gives the weight back exactly."""
+    w = torch.arange(37 * 6, dtype=torch.float32).view(37, 6).to(torch.bfloat16)
+    packed = pack_pairs(w)
+    assert packed.shape == (3, 3, 16, 2)
+    assert packed[1, 2, 5].tolist() == [w[21, 4].item(), w[21, 5].item()]
+    assert (packed[2, :, 5:] == 0).all()  # columns 37..47
+    assert torch.equal(unpack_pairs(packed, 37), w)
+
+
+def test_a_kernel_that_misreads_the_layout_is_not_taken():
+    """The engine's kernel is checked at first use against float64 by hand; one that misreads
+    the packing (here: the pairs' two halves swapped) errs by the values' own size."""
+    kernel = _build("native")
+    assert bf16_kernel.self_check_error(kernel) < bf16_kernel.SELF_CHECK_TOLERANCE
+
+    class SwappedPairs:
+        def matmul(self, x, packed, n, bias=None):
+            return kernel.matmul(x, packed.flip(-1).contiguous(), n, bias)
+
+    assert bf16_kernel.self_check_error(SwappedPairs()) > 0.1
+
+
+def _linear(out_features: int, in_features: int, bias: bool) -> Linear:
+    layer = Linear(in_features, out_features, bias=bias).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    layer.load_weight("w", torch.randn(out_features, in_features, generator=g).bfloat16())
+    if bias:
+        layer.load_bias("b", torch.randn(out_features, generator=g).bfloat16())
+    return layer
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_bf16_linear_runs_on_the_kernel_and_on_onednn_alike(bias):
+    """A bf16 Linear finalized on the CPU takes the kernel where it runs (oneDNN elsewhere);
+    use_onednn lays it out for oneDNN again; both layouts give the product by hand, for 3-D
+    inputs too."""
+    layer = _linear(40, 64, bias)
+    w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.clone()
+    layer.finalize(torch.device("cpu"))
+    assert layer.layout == ("pairs" if HAS_BF16 else "onednn")
+    x = torch.randn(2, 3, 64).bfloat16()
+    want, tolerance = _by_hand(x.view(6, 64), w, b)
+    for expected_layout in (layer.layout, "onednn"):
+        if expected_layout == "onednn":
+            layer.use_onednn()
+        assert layer.layout == expected_layout
+        got = layer(x)
+        assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
+        assert ((got.view(6, 40).double() - want).abs() <= 2 * tolerance).all()
+
+
+def test_a_float32_linear_stays_on_onednn():
+    layer = Linear(64, 32).to(torch.float32)
+    layer.load_weight("w", torch.randn(32, 64))
+    layer.finalize(torch.device("cpu"))
+    assert layer.layout == "onednn"
+
+
+@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16")
+def test_the_engine_runs_its_bf16_linears_on_the_kernel_or_on_onednn(tiny_models):
+    """A bf16 engine on a tiny model: every linear and the tied head on the kernel by default,
+    none with --cpu-linears onednn, and the two engines' logits agree within bf16's rounding
+    of the hidden states (the same greedy tokens)."""
+    from kiln import SamplingParams
+    from tests.helpers import make_engine, run_schedule
+
+    results = {}
+    for policy in ("auto", "onednn"):
+        engine = make_engine(tiny_models["llama"], dtype="bfloat16", cpu_linears=policy)
+        model = engine.runner.model
+        layouts = {m.layout for m in model.modules() if isinstance(m, Linear)}
+        assert layouts == ({"pairs"} if policy == "auto" else {"onednn"})
+        head = model.embed_tokens if model.lm_head is None else model.lm_head
+        assert getattr(head, "head_layout", getattr(head, "layout", None)) in (
+            {"pairs"} if policy == "auto" else {"onednn"}
+        )
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        out, logits = run_schedule(engine, [(0, [5, 9, 11, 40, 2], params)], record_logits=True)
+        results[policy] = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+    (a, tokens_a), (b, tokens_b) = results["auto"], results["onednn"]
+    assert tokens_a == tokens_b
+    torch.testing.assert_close(a, b, rtol=0, atol=0.05 * b.abs().max().item())
