@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kiln.errors import ConfigError
+from kiln.layers.bf16_kernel import bf16_matmul_kernel, pack_pairs
 from kiln.layers.linear import onednn_runs, prepack_for_cpu
-from kiln.layers.packed import DENSE_MIN_ROWS, PackedInt4
+from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedInt4
 from kiln.models.weights import describe_weights
 from tests.helpers import make_engine
 from tests.test_packed import BF16_ULP, CPU, _gguf_tensor
@@ -19,21 +20,30 @@ needs_bf16_onednn = pytest.mark.skipif(
 )
 
 
+COPIES = {"onednn": (prepack_for_cpu, DENSE_MIN_ROWS), "pairs": (pack_pairs, PAIRS_MIN_ROWS)}
+
+
 @needs_bf16_onednn
+@pytest.mark.parametrize("copy", ["onednn", "pairs"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
-def test_dense_copy_matches_the_dequantized_matmul(kind, rows):
+@pytest.mark.parametrize("rows", [1, 2, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
+def test_dense_copy_matches_the_dequantized_matmul(copy, kind, rows):
+    """Either copy (kiln's bf16 kernel's pairs, oneDNN's layout) from its switch on, the int4
+    planes below it."""
+    if copy == "pairs" and bf16_matmul_kernel() is None:
+        pytest.skip("kiln's bf16 kernel needs AVX512-BF16")
+    pack, switch = COPIES[copy]
     n, k = 100, 512  # 100 rows: the planes and the copy are padded to 128
     ref_w, planes = _gguf_tensor(kind, n, k)
     with_copy, without = PackedInt4(planes, CPU), PackedInt4(planes, CPU)
-    with_copy.keep_dense_copy(prepack_for_cpu(with_copy.dense_weight(torch.bfloat16)))
+    with_copy.keep_dense_copy(pack(with_copy.dense_weight(torch.bfloat16)))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = with_copy(x)
     assert y.shape == (rows, n) and y.dtype == torch.bfloat16
     ref = x.float() @ torch.from_numpy(ref_w).t()
     tol = 8 * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
-    if rows < DENSE_MIN_ROWS:  # small batches stay on the int4 kernel: the very same values
+    if rows < switch:  # small batches stay on the int4 kernel: the very same values
         assert torch.equal(y, without(x))
 
 
@@ -77,8 +87,8 @@ def test_a_float32_model_keeps_no_copies_and_dense_says_why(tiny_models, packed_
 
 @needs_bf16_onednn
 def test_compiled_bf16_packed_model_with_copies_matches_eager(tiny_models, packed_gguf):
-    """Mode 3 calls the op with its oneDNN copy as a graph input (chunks of 16 rows take the
-    copy, decodes the int4 kernel): eager's greedy tokens up to a near tie (this tiny random
+    """Mode 3 calls the op with its copy as a graph input (chunks of 16 rows take the copy,
+    single decodes the int4 kernel): eager's greedy tokens up to a near tie (this tiny random
     model's bf16 logits tie exactly at some steps), logits within bf16 rounding."""
     from kiln.config.compilation import CompilationConfig
     from tests.test_compiled import _assert_matches_eager

@@ -140,7 +140,7 @@ def load_model(
     model.finalize(device)
     if device.type == "cpu":
         lay_out_cpu_linears(model, dtype, config.cpu_linears)
-    keep_dense_copies(model, dtype, device, config.prefill_weights)
+    keep_dense_copies(model, dtype, device, config.prefill_weights, config.cpu_linears)
     model.weight_summary = weight_summary(model)
     logger.info("weights: %s", describe_weights(model.weight_summary))
     if device.type == "cpu" and any("int4 packed" in fmt for fmt, _, _ in model.weight_summary):

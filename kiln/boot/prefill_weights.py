@@ -5,9 +5,11 @@ made of; its time grows with the rows, so a prefill chunk of hundreds of rows ru
 dequantized to bf16 instead, and dequantizing every weight for every chunk costs about as much
 as the chunk's matmuls (docs/performance.md, "Packed weights under concurrency"). A dense copy
 made once at load removes that cost for two bytes per weight more memory (the embedded model:
-257 MiB beside its 97 MiB of planes). Only half-precision models on the CPU take copies: a float32
-model's rows stay on the int4 kernel, each row computed alone, so its results do not depend on
-the batch."""
+257 MiB beside its 97 MiB of planes). A bf16 copy is packed for kiln's bf16 kernel where it runs
+(`--cpu-linears auto`), which beats the int4 kernel from 2 rows, so decode steps of two or more
+streams take it too; a oneDNN copy takes batches of 16 rows and more. Only half-precision
+models on the CPU take copies: a float32 model's rows stay on the int4 kernel, each row computed
+alone, so its results do not depend on the batch."""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from torch import nn
 
 from kiln.boot.kv_cache import available_memory
 from kiln.errors import ConfigError
+from kiln.layers.bf16_kernel import pack_pairs, pairs_runs
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear, onednn_runs, prepack_for_cpu
-from kiln.layers.packed import DENSE_MIN_ROWS, PackedInt4
+from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedInt4
 
 logger = logging.getLogger(__name__)
 
@@ -29,12 +32,17 @@ AUTO_MEMORY_FRACTION = 0.25  # auto keeps the copies when they take at most this
 
 
 def keep_dense_copies(
-    model: nn.Module, dtype: torch.dtype, device: torch.device, policy: str
+    model: nn.Module,
+    dtype: torch.dtype,
+    device: torch.device,
+    policy: str,
+    cpu_linears: str = "auto",
 ) -> None:
     """Give every packed linear of `model` (and a packed embedding that is also its LM head)
-    a dense oneDNN copy in `dtype`, as `policy` says: auto (when they fit in a quarter of the
-    free host memory, else a warning naming the remedy), dense (always, an error where no copy
-    can run), packed (never)."""
+    a dense copy in `dtype` (for kiln's bf16 kernel, or oneDNN where it does not run or
+    `cpu_linears` is onednn), as `policy` says: auto (when they fit in a quarter of the free
+    host memory, else a warning naming the remedy), dense (always, an error where no copy can
+    run), packed (never)."""
     layers = _packed_products(model)
     if policy == "packed" or not layers:
         return
@@ -55,14 +63,18 @@ def keep_dense_copies(
             free / 2**20,
         )
         return
+    on_kernel = False
     for packed in layers:
-        packed.keep_dense_copy(prepack_for_cpu(packed.dense_weight(dtype)))
+        dense = packed.dense_weight(dtype)
+        on_kernel = cpu_linears == "auto" and pairs_runs(dense)
+        packed.keep_dense_copy(pack_pairs(dense) if on_kernel else prepack_for_cpu(dense))
     logger.info(
-        "packed weights: dense %s copies of %d tensors for batches of %d+ rows (%.1f MiB; "
+        "packed weights: dense %s copies of %d tensors on %s for batches of %d+ rows (%.1f MiB; "
         "--prefill-weights packed saves them)",
         str(dtype).removeprefix("torch."),
-        DENSE_MIN_ROWS,
         len(layers),
+        "kiln's bf16 kernel" if on_kernel else "oneDNN",
+        PAIRS_MIN_ROWS if on_kernel else DENSE_MIN_ROWS,
         need / 2**20,
     )
 

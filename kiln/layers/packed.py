@@ -22,9 +22,10 @@ prefill chunk does not. The op picks by the row count at run time: the row count
 compiled graphs, so the choice cannot be made while tracing.
 
 Dequantizing every weight for every prefill chunk costs about as much as the chunk's matmuls.
-A half-precision model on the CPU can instead keep a dense oneDNN copy of each packed weight
-beside it (`dense`, set by kiln/boot/prefill_weights.py): batches of DENSE_MIN_ROWS rows or more
-run on the copy, smaller ones (decode steps) stream the 4-bit planes."""
+A half-precision model on the CPU can instead keep a dense copy of each packed weight beside it
+(`dense`, set by kiln/boot/prefill_weights.py): a bf16 copy packed in pairs for kiln's bf16
+kernel where it runs, which takes batches from PAIRS_MIN_ROWS rows, else a oneDNN copy, from
+DENSE_MIN_ROWS rows; smaller batches (decode steps) stream the 4-bit planes."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from kiln.layers.bf16_kernel import bf16_matmul_kernel
 from kiln.layers.cpu_int4_layout import (
     CPU_BLOCKS,
     cpu_block_n,
@@ -48,6 +50,9 @@ DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is 
 # with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
 # bytes (docs/performance.md, "Packed weights under concurrency")
 DENSE_MIN_ROWS = 16
+# with a copy on kiln's bf16 kernel, from here on: 5.9 against 7.5 ms at 2 rows, 10 against 31
+# at 16, for the embedded model's 30 layers (docs/performance.md, "A bf16 kernel for the linears")
+PAIRS_MIN_ROWS = 2
 
 
 @dataclass
@@ -139,7 +144,8 @@ class PackedInt4(nn.Module):
         return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
 
     def keep_dense_copy(self, dense: torch.Tensor) -> None:
-        """`dense`: `dense_weight` prepacked for oneDNN."""
+        """`dense`: `dense_weight` packed in pairs for kiln's bf16 kernel (4-D) or prepacked for
+        oneDNN (2-D)."""
         self.dense = nn.Parameter(dense, requires_grad=False)
 
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -327,10 +333,13 @@ def _int4_or_dense_mm(
     group_size: int,
 ) -> torch.Tensor:
     """CPU, [R, K] rows -> [R, N padded] in the dense copy's dtype: the int4 planes (a second
-    one for Q8_0, added in float32 by kiln's kernel) below DENSE_MIN_ROWS rows, the dense copy
-    (oneDNN, padded like the planes) from there. A decode step calls it for every linear, so it
-    does no more than it must."""
-    if rows.shape[0] >= DENSE_MIN_ROWS:
+    one for Q8_0, added in float32 by kiln's kernel) below the copy's switch, the dense copy
+    (padded like the planes) from there: PAIRS_MIN_ROWS on kiln's bf16 kernel, DENSE_MIN_ROWS
+    on oneDNN. A decode step calls it for every linear, so it does no more than it must."""
+    if dense.dim() == 4 and rows.shape[0] >= PAIRS_MIN_ROWS:
+        half = rows.to(torch.bfloat16).contiguous()
+        return bf16_matmul_kernel().matmul(half, dense, scales_zeros.shape[1])  # type: ignore[union-attr]
+    if dense.dim() == 2 and rows.shape[0] >= DENSE_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if (kernel := int4_matmul_kernel()) is not None:
