@@ -38,6 +38,7 @@ PROMPT = "Write a long story about a lighthouse keeper and her cat."
 LINEAR_OPS = (
     "kiln::int4_mm",
     "kiln::bf16_mm",
+    "kiln::int4_or_dense_mm",
     "kiln::onednn_linear",
     "mkldnn::_linear_pointwise",
     "aten::_weight_int4pack_mm_for_cpu",
