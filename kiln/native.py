@@ -10,16 +10,22 @@ loads it."""
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import re
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kiln.paths import kiln_cache_dir, process_umask
 
+logger = logging.getLogger(__name__)
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+Kernel = TypeVar("Kernel")
 
 
 def built_library(source: Path, flags: tuple[str, ...]) -> Path:
@@ -65,6 +71,44 @@ def included_headers(source: Path) -> list[Path]:
                 found.append(header)
                 pending.append(header)
     return found
+
+
+def checked_kernel(
+    name: str,
+    load: Callable[[], Kernel],
+    error: Callable[[Kernel], float],
+    tolerance: float,
+    instead: str,
+) -> Kernel | None:
+    """The engine's build of a matmul kernel (`load()`), or None with a warning: where it cannot
+    be built, where it has no vector path (`.vectorized`), or where its self-check `error`
+    exceeds `tolerance` (a vector path that misreads its layout on some CPU is found at boot,
+    not in a model's output). `instead` says what runs then."""
+    try:
+        kernel = load()
+    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
+        logger.warning(
+            "kiln's CPU %s could not be built (%s): %s. Remedy: install a C++ compiler with "
+            "OpenMP (g++), or set CXX",
+            name,
+            build_failure(exc),
+            instead,
+        )
+        return None
+    if not kernel.vectorized:  # type: ignore[attr-defined]
+        return None
+    measured = error(kernel)
+    if measured > tolerance:
+        logger.warning(
+            "kiln's CPU %s disagrees with a product by hand on a known matrix (relative error "
+            "%.2e): %s. Remedy: none needed to serve; report the CPU's flags (grep flags "
+            "/proc/cpuinfo)",
+            name,
+            measured,
+            instead,
+        )
+        return None
+    return kernel
 
 
 def build_failure(exc: BaseException) -> str:

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from kiln.native import FLAGS, build_failure, built_library
-
-logger = logging.getLogger(__name__)
+from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "bf16_mm.cpp"
 COLUMNS = 16  # output columns in one packed vector
@@ -79,28 +75,13 @@ def pairs_runs(weight: torch.Tensor) -> bool:
 def bf16_matmul_kernel() -> Bf16MatmulKernel | None:
     """The engine's kernel: built once per machine and cache directory, None where it cannot be
     built or this CPU lacks AVX512-BF16 (oneDNN runs the bf16 linears then)."""
-    try:
-        kernel = load_bf16_matmul(FLAGS)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        logger.warning(
-            "kiln's CPU bf16 matmul could not be built (%s): bf16 linears run on oneDNN, "
-            "slower for decode steps. Remedy: install a C++ compiler with OpenMP (g++), or set "
-            "CXX",
-            build_failure(exc),
-        )
-        return None
-    if not kernel.vectorized:
-        return None
-    error = self_check_error(kernel)
-    if error > SELF_CHECK_TOLERANCE:
-        logger.warning(
-            "kiln's CPU bf16 matmul disagrees with a float64 product on a known matrix "
-            "(relative error %.2e): bf16 linears run on oneDNN. Remedy: none needed to serve; "
-            "report the CPU's flags (grep flags /proc/cpuinfo)",
-            error,
-        )
-        return None
-    return kernel
+    return checked_kernel(
+        "bf16 matmul",
+        lambda: load_bf16_matmul(FLAGS),
+        self_check_error,
+        SELF_CHECK_TOLERANCE,
+        "bf16 linears run on oneDNN, slower for decode steps",
+    )
 
 
 SELF_CHECK_TOLERANCE = 1e-2  # the output's own bf16 rounding is 2^-9 of a value; a misread: ~1

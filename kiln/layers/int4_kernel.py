@@ -9,17 +9,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
-from kiln.native import FLAGS, build_failure, built_library
-
-logger = logging.getLogger(__name__)
+from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
 ISA_NAMES = {0: "portable loops", 1: "AVX2", 2: "AVX-512"}
@@ -59,29 +55,13 @@ class Int4MatmulKernel:
 def int4_matmul_kernel() -> Int4MatmulKernel | None:
     """The engine's kernel: built once per machine and cache directory, None where it cannot be
     built or has no vector path (aten's kernel stays then)."""
-    try:
-        kernel = load_int4_matmul(FLAGS)
-    except (OSError, subprocess.SubprocessError, RuntimeError) as exc:
-        logger.warning(
-            "kiln's CPU int4 matmul could not be built (%s): packed weights run on PyTorch's "
-            "int4 kernel, slower on AVX2 CPUs. Remedy: install a C++ compiler with OpenMP "
-            "(g++), or set CXX",
-            build_failure(exc),
-        )
-        return None
-    if not kernel.vectorized:
-        return None
-    error = self_check_error(kernel)
-    if error > SELF_CHECK_TOLERANCE:
-        logger.warning(
-            "kiln's CPU int4 matmul (built with %s) disagrees with the dequantized weight on a "
-            "known matrix (relative error %.2e): packed weights run on PyTorch's int4 kernel. "
-            "Remedy: none needed to serve; report the CPU's flags (grep flags /proc/cpuinfo)",
-            ISA_NAMES[kernel.isa],
-            error,
-        )
-        return None
-    return kernel
+    return checked_kernel(
+        "int4 matmul",
+        lambda: load_int4_matmul(FLAGS),
+        self_check_error,
+        SELF_CHECK_TOLERANCE,
+        "packed weights run on PyTorch's int4 kernel, slower on AVX2 CPUs",
+    )
 
 
 SELF_CHECK_TOLERANCE = 1e-4  # float32 sums over 256 columns: ~1e-6; a wrong code or scale: ~1

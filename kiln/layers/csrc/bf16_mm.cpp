@@ -18,6 +18,8 @@
 
 #include <cstdint>
 #include <cstring>
+
+#include "bf16.h"
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define KILN_BF16_SIMD 1
@@ -25,20 +27,8 @@
 
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {  // round to nearest even; NaN stays NaN
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+using kiln_bf16::bf16_to_float;
+using kiln_bf16::float_to_bf16;
 
 struct Problem {
   const uint16_t* x;       // [m, k] bf16 rows

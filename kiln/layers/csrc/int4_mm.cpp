@@ -19,18 +19,15 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#include "bf16.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
 namespace {
 
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+using kiln_bf16::bf16_to_float;
 
 // The vector layer: W float32 lanes; codes(p) widens W bytes to W int32 lanes; scale_zero
 // reads W (scale, zero) bfloat16 pairs, which are 32-bit lanes: the scale is a lane's low half
