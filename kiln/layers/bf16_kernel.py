@@ -123,9 +123,12 @@ def _pairs_linear(
     kernel = bf16_matmul_kernel()
     if kernel is None:  # a graph traced where the kernel ran, called where it does not
         raise RuntimeError("kiln::bf16_mm needs kiln's bf16 kernel, which is not built here")
-    rows = x.reshape(-1, x.shape[-1])
-    y = kernel.matmul(rows.to(torch.bfloat16).contiguous(), packed, n, bias)
-    return y.view(*x.shape[:-1], n)
+    # a decode step makes ~120 of these calls: no reshape, cast or copy that is not needed
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+    if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
+        rows = rows.to(torch.bfloat16).contiguous()
+    y = kernel.matmul(rows, packed, n, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
 # Opaque in compiled graphs, like kiln::onednn_linear: Inductor's code calls it through the
