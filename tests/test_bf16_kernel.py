@@ -10,9 +10,12 @@ import torch
 from kiln import native
 from kiln.layers import bf16_kernel
 from kiln.layers.bf16_kernel import pack_pairs, unpack_pairs
-from kiln.layers.linear import Linear
+from kiln.layers.linear import Linear, onednn_runs
 
-HAS_BF16 = "avx512_bf16" in native._cpu_flags().split()
+HAS_BF16 = "avx512_bf16" in native.cpu_flags().split()
+HAS_AMX = "amx_bf16" in native.cpu_flags().split()
+# what a bf16 linear gets where the kernel does not run (oneDNN, or BLAS without native bf16)
+FALLBACK = "onednn" if onednn_runs(torch.bfloat16) else "transposed"
 
 
 def _build(build: str):
@@ -52,11 +55,12 @@ def test_the_kernel_matches_a_product_by_hand(build):
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
                 want, tolerance = _by_hand(x, w, bias)
                 for threads in (1, 3):
+                    before = torch.get_num_threads()
                     torch.set_num_threads(threads)
                     try:
                         got = kernel.matmul(x, packed, n, bias)
                     finally:
-                        torch.set_num_threads(2)
+                        torch.set_num_threads(before)
                     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
                     err = (got.double() - want).abs()
                     assert (err <= tolerance).all(), (n, k, rows, err.max().item())
@@ -97,22 +101,48 @@ def _linear(out_features: int, in_features: int, bias: bool) -> Linear:
 
 @pytest.mark.parametrize("bias", [False, True])
 def test_a_bf16_linear_runs_on_the_kernel_and_on_onednn_alike(bias):
-    """A bf16 Linear finalized on the CPU takes the kernel where it runs (oneDNN elsewhere);
-    use_onednn lays it out for oneDNN again; both layouts give the product by hand, for 3-D
-    inputs too."""
+    """A bf16 Linear finalized on the CPU takes the kernel where it runs (oneDNN, or BLAS,
+    elsewhere); use_onednn lays it out as where the kernel does not run; both layouts give the
+    product by hand, for 3-D inputs too."""
     layer = _linear(40, 64, bias)
     w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.clone()
     layer.finalize(torch.device("cpu"))
-    assert layer.layout == ("pairs" if HAS_BF16 else "onednn")
+    kernel_runs = bf16_kernel.bf16_matmul_kernel() is not None and not HAS_AMX
+    assert layer.layout == ("pairs" if kernel_runs else FALLBACK)
     x = torch.randn(2, 3, 64).bfloat16()
     want, tolerance = _by_hand(x.view(6, 64), w, b)
-    for expected_layout in (layer.layout, "onednn"):
-        if expected_layout == "onednn":
+    for expected_layout in (layer.layout, FALLBACK):
+        if expected_layout == FALLBACK:
             layer.use_onednn()
         assert layer.layout == expected_layout
         got = layer(x)
         assert got.shape == (2, 3, 40) and got.dtype == torch.bfloat16
         assert ((got.view(6, 40).double() - want).abs() <= 2 * tolerance).all()
+
+
+def test_sizes_that_do_not_fit_are_refused_before_the_kernel_reads_them():
+    """The C++ side trusts its sizes: a mismatch is a ValueError in Python, not a wild read."""
+    kernel = _build("portable")
+    w = pack_pairs(torch.randn(20, 8).bfloat16())
+    x = torch.randn(3, 8).bfloat16()
+    assert kernel.matmul(x, w, 20).shape == (3, 20)
+    for rows, n, bias in [
+        (torch.randn(3, 10).bfloat16(), 20, None),  # k is not the weight's
+        (x, 33, None),  # more columns than the packed vectors hold
+        (x, 20, torch.randn(20)),  # a float32 bias
+        (x, 20, torch.randn(5).bfloat16()),  # a short bias
+    ]:
+        with pytest.raises(ValueError, match="do not fit"):
+            kernel.matmul(rows, w, n, bias)
+
+
+def test_a_cpu_with_amx_keeps_onednn(monkeypatch):
+    """oneDNN runs bf16 on AMX's tiles, which kiln's kernel does not use: such CPUs keep it."""
+    monkeypatch.setattr(bf16_kernel, "has_amx", lambda: True)
+    layer = _linear(32, 64, bias=False)
+    layer.finalize(torch.device("cpu"))
+    assert layer.layout == FALLBACK
+    assert "AMX" in bf16_kernel.describe_bf16_kernel()
 
 
 def test_a_float32_linear_stays_on_onednn():
@@ -122,7 +152,7 @@ def test_a_float32_linear_stays_on_onednn():
     assert layer.layout == "onednn"
 
 
-@pytest.mark.skipif(not HAS_BF16, reason="this CPU has no AVX512-BF16")
+@pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="kiln's bf16 kernel does not run on this CPU")
 def test_the_engine_runs_its_bf16_linears_on_the_kernel_or_on_onednn(tiny_models):
     """A bf16 engine on a tiny model: every linear and the tied head on the kernel by default,
     none with --cpu-linears onednn, and the two engines' logits agree within bf16's rounding

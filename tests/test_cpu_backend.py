@@ -376,7 +376,7 @@ def _kernel_build(build: str):
     from kiln import native
     from kiln.attention import cpu_kernel
 
-    cpu_flags = native._cpu_flags().split()
+    cpu_flags = native.cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx512-vnni": ("avx512f", "avx512vl", "avx512_vnni"),
              "avx2": ("avx2", "fma")}.get(build, ())  # fmt: skip
     if any(flag not in cpu_flags for flag in needs):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kiln.layers.bf16_kernel import bf16_matmul_kernel
+from kiln.layers.bf16_kernel import bf16_matmul_kernel, has_amx
 from kiln.layers.linear import Linear, onednn_runs, slow_cpu_dtype
 from tests.helpers import make_engine
 
@@ -29,7 +29,7 @@ def _layer(dtype: torch.dtype, bias: bool) -> Linear:
 def test_finalize_picks_the_bf16_kernel_or_onednn_where_they_run_natively(dtype):
     layer = _layer(dtype, bias=False)
     layer.finalize(torch.device("cpu"))
-    if dtype == torch.bfloat16 and bf16_matmul_kernel() is not None:
+    if dtype == torch.bfloat16 and bf16_matmul_kernel() is not None and not has_amx():
         assert layer.layout == "pairs"
         return
     assert layer.layout == ("onednn" if onednn_runs(dtype) else "transposed")
@@ -56,7 +56,8 @@ def test_every_layout_matches_f_linear(dtype, bias, shape):
 def test_a_half_dtype_without_native_kernels_is_warned_about(tiny_models, monkeypatch, caplog):
     assert slow_cpu_dtype(torch.float32) is None
     monkeypatch.setattr("kiln.layers.linear.onednn_runs", lambda dtype: dtype == torch.float32)
-    monkeypatch.setattr("kiln.layers.linear.pairs_runs", lambda weight: False)  # no AVX512-BF16
+    for module in ("kiln.layers.linear", "kiln.layers.embedding", "kiln.boot.prefill_weights"):
+        monkeypatch.setattr(f"{module}.pairs_runs", lambda weight: False)  # no AVX512-BF16
     message = slow_cpu_dtype(torch.bfloat16)
     assert "AVX512-BF16" in message and "Remedy: compare with --dtype float32" in message
     with caplog.at_level(logging.WARNING, logger="kiln.boot"):

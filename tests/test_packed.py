@@ -201,7 +201,7 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
     from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
 
-    cpu_flags = native._cpu_flags().split()
+    cpu_flags = native.cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx2": ("avx2", "fma")}.get(build, ())
     if any(flag not in cpu_flags for flag in needs):
         pytest.skip(f"this CPU has no {' and '.join(needs)}")

@@ -1,8 +1,8 @@
 """Which kernel multiplies a bf16 model's linears on the CPU (`--cpu-linears`).
 
-`finalize` gives every bf16 weight to kiln's own kernel where the CPU has AVX512-BF16
-(kiln/layers/bf16_kernel.py): faster than oneDNN at every batch size measured, 1.5x at a
-16-stream decode step's rows (docs/performance.md, "A bf16 kernel for the linears"). `onednn`
+`finalize` gives every bf16 weight to kiln's own kernel where the CPU has AVX512-BF16 and no AMX
+(kiln/layers/bf16_kernel.py): 1.4x oneDNN at a 16-stream decode step's rows, 2x at one row,
+level at a prefill chunk's 528 (docs/performance.md, "A bf16 kernel for the linears"). `onednn`
 lays them out for oneDNN again, to compare the two or to step around the kernel."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from torch import nn
 
 from kiln.layers.bf16_kernel import describe_bf16_kernel
 from kiln.layers.embedding import VocabEmbedding
-from kiln.layers.linear import Linear
+from kiln.layers.linear import Linear, onednn_runs
 
 logger = logging.getLogger(__name__)
 
@@ -28,5 +28,11 @@ def lay_out_cpu_linears(model: nn.Module, dtype: torch.dtype, policy: str) -> No
             if isinstance(module, (Linear, VocabEmbedding)):
                 module.use_onednn()
     if dtype == torch.bfloat16:
-        kernel = "oneDNN (--cpu-linears onednn)" if policy == "onednn" else describe_bf16_kernel()
-        logger.info("bf16 linears: %s", kernel)
+        logger.info("bf16 linears: %s", _describe(policy))
+
+
+def _describe(policy: str) -> str:
+    library = "oneDNN" if onednn_runs(torch.bfloat16) else "BLAS (no native oneDNN bf16 here)"
+    if policy == "onednn":
+        return f"{library} (--cpu-linears onednn)"
+    return describe_bf16_kernel(library)

@@ -2,10 +2,12 @@
 along its input dimension, the layout AVX512-BF16's pair products read, built at first use
 (kiln/native.py).
 
-On CPUs with AVX512-BF16 it runs every bf16 linear of a model in place of oneDNN's: faster at
-every batch size measured, most at the few rows of decode steps (docs/performance.md, "A bf16
-kernel for the linears"). Elsewhere oneDNN keeps them; the portable build is the reference the
-tests hold the vector build to, never the engine's path."""
+On CPUs with AVX512-BF16 it runs every bf16 linear of a model in place of oneDNN's: 1.2-2x
+oneDNN's speed up to 64 rows (the rows of decode steps) and level with it at 528 (a prefill
+chunk), measured on an AMD EPYC (docs/performance.md, "A bf16 kernel for the linears").
+Elsewhere oneDNN keeps them, and so does a CPU with AMX, whose tile units oneDNN uses for bf16
+and this kernel does not (not measured here: no AMX machine). The portable build is the
+reference the tests hold the vector build to, never the engine's path."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.native import FLAGS, built_library, checked_kernel
+from kiln.native import FLAGS, built_library, checked_kernel, cpu_flags
 
 SOURCE = Path(__file__).parent / "csrc" / "bf16_mm.cpp"
 COLUMNS = 16  # output columns in one packed vector
@@ -35,6 +37,15 @@ class Bf16MatmulKernel:
         """bf16 [R, K] rows (contiguous, K even) times the packed [N, K] weight, plus `bias`
         (bf16 [N]) -> bf16 [R, N]."""
         m, k = rows.shape
+        if (
+            k != 2 * packed.shape[1]
+            or packed.shape[0] * COLUMNS < n
+            or (bias is not None and (bias.dtype != torch.bfloat16 or bias.numel() < n))
+        ):  # the C++ side trusts every size it is given
+            raise ValueError(
+                f"bf16_mm: rows {tuple(rows.shape)}, packed {tuple(packed.shape)}, n {n}, "
+                f"bias {None if bias is None else (tuple(bias.shape), bias.dtype)} do not fit"
+            )
         out = torch.empty(m, n, dtype=torch.bfloat16)
         self.library.kiln_bf16_mm(
             rows.data_ptr(), m, k, packed.data_ptr(), n,
@@ -60,15 +71,22 @@ def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def pairs_runs(weight: torch.Tensor) -> bool:
-    """Whether the engine runs `weight` ([N, K] on the CPU) on kiln's kernel: bf16, K even,
-    and a kernel built with AVX512-BF16 on this machine."""
+    """Whether the engine runs `weight` ([N, K] on the CPU) on kiln's kernel: bf16, K even, a
+    kernel built with AVX512-BF16 on this machine, and no AMX (oneDNN's bf16 path there)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
+        and not has_amx()
         and bf16_matmul_kernel() is not None
     )
+
+
+@functools.cache
+def has_amx() -> bool:
+    """Whether this CPU has AMX's bf16 tiles (Intel Sapphire Rapids and later)."""
+    return "amx_bf16" in cpu_flags().split()
 
 
 @functools.cache
@@ -110,10 +128,13 @@ def load_bf16_matmul(flags: tuple[str, ...]) -> Bf16MatmulKernel:
     return Bf16MatmulKernel(library, library.kiln_bf16_mm_isa() == 1)
 
 
-def describe_bf16_kernel() -> str:
-    """What multiplies the bf16 linears on this CPU, for the boot log and `kiln info`."""
+def describe_bf16_kernel(fallback: str = "oneDNN") -> str:
+    """What multiplies the bf16 linears on this CPU under `--cpu-linears auto`, for the boot
+    log; `fallback` names what runs them where kiln's kernel does not."""
+    if has_amx():
+        return f"{fallback} (this CPU has AMX, which oneDNN uses)"
     if bf16_matmul_kernel() is None:
-        return "oneDNN (kiln's bf16 kernel needs AVX512-BF16 and a C++ compiler)"
+        return f"{fallback} (kiln's bf16 kernel needs AVX512-BF16 and a C++ compiler)"
     return "kiln's C++ kernel built with AVX512-BF16"
 
 

@@ -50,7 +50,7 @@ DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is 
 # with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
 # bytes (docs/performance.md, "Packed weights under concurrency")
 DENSE_MIN_ROWS = 16
-# with a copy on kiln's bf16 kernel, from here on: 5.9 against 7.5 ms at 2 rows, 10 against 31
+# with a copy on kiln's bf16 kernel, from here on: 6.1 against 9.3 ms at 2 rows, 9.6 against 31
 # at 16, for the embedded model's 30 layers (docs/performance.md, "A bf16 kernel for the linears")
 PAIRS_MIN_ROWS = 2
 

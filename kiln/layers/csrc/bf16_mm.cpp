@@ -46,10 +46,11 @@ constexpr int VECTORS = 3;
 
 #ifdef KILN_BF16_SIMD
 // Rows m0 .. m0 + R by vectors v0 .. v0 + V over all of k. `next`, where given, is the weight of
-// the tile this thread takes after the current row tiles: its lines are fetched into L2 while
-// this tile computes from weights already there, so that memory and the pair products overlap.
+// the tile this thread takes after the current row tiles (`next_vectors` of them): its lines are
+// fetched into L2 while this tile computes from weights already there, so that memory and the
+// pair products overlap.
 template <int R, int V>
-void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next) {
+void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next, int64_t next_vectors) {
   const int64_t pairs = p.k / 2;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -59,7 +60,8 @@ void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next) {
     __m512bh wv[V];
     for (int v = 0; v < V; ++v) {
       wv[v] = (__m512bh)_mm512_loadu_si512(w + (v * pairs + q) * 32);
-      if (next) _mm_prefetch(reinterpret_cast<const char*>(next + (v * pairs + q) * 32), _MM_HINT_T1);
+      if (v < next_vectors)
+        _mm_prefetch(reinterpret_cast<const char*>(next + (v * pairs + q) * 32), _MM_HINT_T1);
     }
     for (int r = 0; r < R; ++r) {
       int32_t pair;
@@ -85,31 +87,34 @@ void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next) {
 }
 
 template <int R, int V>
-void tile_vectors(const Problem& p, int64_t m0, int64_t v0, int64_t vectors, const uint16_t* next) {
+void tile_vectors(const Problem& p, int64_t m0, int64_t v0, int64_t vectors, const uint16_t* next,
+                  int64_t next_vectors) {
   if constexpr (V > 1) {
-    if (vectors < V) return tile_vectors<R, V - 1>(p, m0, v0, vectors, next);
+    if (vectors < V) return tile_vectors<R, V - 1>(p, m0, v0, vectors, next, next_vectors);
   }
-  tile<R, V>(p, m0, v0, next);
+  tile<R, V>(p, m0, v0, next, next_vectors);
 }
 
 template <int R>
 void run_tile_rows(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
-                   const uint16_t* next) {
+                   const uint16_t* next, int64_t next_vectors) {
   if constexpr (R > 1) {
-    if (rows < R) return run_tile_rows<R - 1>(p, m0, rows, v0, vectors, next);
+    if (rows < R) return run_tile_rows<R - 1>(p, m0, rows, v0, vectors, next, next_vectors);
   }
-  tile_vectors<R, VECTORS>(p, m0, v0, vectors, next);
+  tile_vectors<R, VECTORS>(p, m0, v0, vectors, next, next_vectors);
 }
 
 void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
-              const uint16_t* next) {
-  run_tile_rows<ROWS>(p, m0, rows, v0, vectors, next);
+              const uint16_t* next, int64_t next_vectors) {
+  run_tile_rows<ROWS>(p, m0, rows, v0, vectors, next, next_vectors);
 }
 #else
 // The same sums in scalar code: each pair's two products are exact in float32 and are added to
-// the column's sum one after the other, as Intel documents vdpbf16ps.
+// the column's sum one after the other (Intel documents the odd one first; g++ 12 at -O3 gave
+// wrong sums for that order here, errors of the values' size, so the even one goes first: a
+// last-bit difference at most, as is the instruction's flushing of denormals, kept here).
 void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors,
-              const uint16_t*) {
+              const uint16_t*, int64_t) {
   const int64_t pairs = p.k / 2;
   for (int64_t r = m0; r < m0 + rows; ++r) {
     for (int64_t c = v0 * 16; c < (v0 + vectors) * 16 && c < p.n; ++c) {
@@ -152,9 +157,13 @@ void kiln_bf16_mm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packe
   for (int64_t item = 0; item < items; ++item) {
     const int64_t v0 = (item / row_tiles) * VECTORS, m0 = (item % row_tiles) * ROWS;
     const int64_t rows = m - m0 < ROWS ? m - m0 : ROWS;
-    const bool last_rows = m0 + ROWS >= m, more = v0 + VECTORS < vectors;
-    const uint16_t* next = row_tiles > 1 && last_rows && more ? packed + (v0 + VECTORS) * k * 16 : nullptr;
-    run_tile(p, m0, rows, v0, vectors - v0 < VECTORS ? vectors - v0 : VECTORS, next);
+    // the next column tile's weights, fetched while the last row tile computes (none at 1 row
+    // tile: that pass streams its own weights from memory already)
+    const int64_t after = vectors - v0 - VECTORS;
+    const int64_t next_vectors = row_tiles > 1 && m0 + ROWS >= m && after > 0
+                                     ? (after < VECTORS ? after : VECTORS) : 0;
+    const uint16_t* next = next_vectors ? packed + (v0 + VECTORS) * k * 16 : nullptr;
+    run_tile(p, m0, rows, v0, vectors - v0 < VECTORS ? vectors - v0 : VECTORS, next, next_vectors);
   }
 }
 
