@@ -10,7 +10,7 @@
 //
 // Why a kernel of kiln's own: oneDNN's bf16 linear runs a 16-row batch at about 40% of these
 // cores' vdpbf16ps peak and a single row at half the memory's bandwidth (docs/performance.md,
-// "A bf16 kernel for decode steps"); a decode step is linears over a few rows.
+// "A bf16 kernel for the linears"); a decode step is linears over a few rows.
 //
 // Built at first use by kiln/layers/bf16_kernel.py with the machine's compiler (-O3
 // -march=native -fopenmp). Without AVX512-BF16 the portable loops compute the same sums (the
@@ -40,7 +40,8 @@ struct Problem {
 };
 
 // A tile: 8 rows by 3 vectors of 16 columns, 24 sums, 3 weights and a broadcast in registers.
-// Measured against 4 x 6, 6 x 4, 12 x 2 and 16 x 1 at 1 to 528 rows: level or best everywhere.
+// Measured against 4 x 6, 6 x 4, 12 x 2 and 16 x 1 at 1 to 528 rows: none faster beyond the
+// runs' noise (16 x 1 and 12 x 2 slower from 8 rows on).
 constexpr int ROWS = 8;
 constexpr int VECTORS = 3;
 
