@@ -18,8 +18,6 @@ from kiln.layers.linear import Linear, onednn_runs
 
 logger = logging.getLogger(__name__)
 
-POLICIES = ("auto", "onednn")
-
 
 def lay_out_cpu_linears(model: nn.Module, dtype: torch.dtype, policy: str) -> None:
     """After `model.finalize` on the CPU: keep what it chose (auto), or oneDNN everywhere."""

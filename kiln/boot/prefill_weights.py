@@ -20,9 +20,8 @@ from torch import nn
 
 from kiln.boot.kv_cache import available_memory
 from kiln.errors import ConfigError
-from kiln.layers.bf16_kernel import pack_pairs, pairs_runs
 from kiln.layers.embedding import VocabEmbedding
-from kiln.layers.linear import Linear, onednn_runs, prepack_for_cpu
+from kiln.layers.linear import Linear, onednn_runs, pack_for_cpu
 from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedInt4
 
 logger = logging.getLogger(__name__)
@@ -65,9 +64,9 @@ def keep_dense_copies(
         return
     on_kernel = False
     for packed in layers:
-        dense = packed.dense_weight(dtype)
-        on_kernel = cpu_linears == "auto" and pairs_runs(dense)
-        packed.keep_dense_copy(pack_pairs(dense) if on_kernel else prepack_for_cpu(dense))
+        layout, copy = pack_for_cpu(packed.dense_weight(dtype), kernel=cpu_linears == "auto")
+        packed.keep_dense_copy(copy)
+        on_kernel = layout == "pairs"
     logger.info(
         "packed weights: dense %s copies of %d tensors on %s for batches of %d+ rows (%.1f MiB; "
         "--prefill-weights packed saves them)",

@@ -5,8 +5,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
-from kiln.layers.bf16_kernel import pack_pairs, pairs_linear, pairs_runs, unpack_pairs
-from kiln.layers.linear import onednn_linear, prepack_for_cpu
+from kiln.layers.bf16_kernel import pairs_linear, unpack_pairs
+from kiln.layers.linear import onednn_linear, pack_for_cpu, prepack_for_cpu
 from kiln.layers.packed import PackedInt4, QuantizedTensor, unpackable_reason
 
 
@@ -45,10 +45,7 @@ class VocabEmbedding(nn.Module):
         if self.packed is not None:
             return
         if device.type == "cpu" and used_as_lm_head and self.packed_head is None:
-            self.head_layout = "pairs" if pairs_runs(self.weight) else "onednn"
-            self.packed_head = (pack_pairs if self.head_layout == "pairs" else prepack_for_cpu)(
-                self.weight
-            )
+            self.head_layout, self.packed_head = pack_for_cpu(self.weight)
 
     def use_onednn(self) -> None:
         """oneDNN's layout for a tied head that `finalize` gave kiln's bf16 kernel."""

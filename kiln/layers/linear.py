@@ -160,6 +160,15 @@ def slow_cpu_dtype(dtype: torch.dtype) -> str | None:
     )
 
 
+def pack_for_cpu(weight: torch.Tensor, kernel: bool = True) -> tuple[str, torch.Tensor | None]:
+    """A CPU weight laid out for the fastest kernel that runs it: ("pairs", kiln's bf16 kernel's
+    layout) where that kernel runs and `kernel` allows it, else ("onednn", oneDNN's prepacked
+    weight, or None where oneDNN cannot run it)."""
+    if kernel and pairs_runs(weight):
+        return "pairs", pack_pairs(weight)
+    return "onednn", prepack_for_cpu(weight)
+
+
 def prepack_for_cpu(weight: torch.Tensor) -> torch.Tensor | None:
     """oneDNN's blocked layout of an [out, in] weight, or None where oneDNN cannot run it."""
     if not onednn_runs(weight.dtype):
