@@ -16,7 +16,8 @@ import torch
 from kiln.compiler.split_backend import CompileStats
 from kiln.config import CompilationConfig
 from kiln.errors import ConfigError
-from tests.helpers import forward_with_int32_positions, make_engine
+from kiln.sampling_params import SamplingParams
+from tests.helpers import forward_with_int32_positions, make_engine, run_schedule
 from tests.test_compiled import _assert_matches_eager
 
 COMPILED = CompilationConfig(mode=3)  # the CPU default: one Inductor graph
@@ -103,6 +104,24 @@ def test_a_failed_guard_of_the_loaded_trace_is_a_counted_recompilation(first, mo
     reference = make_engine(model, block_size=4, max_num_batched_tokens=16)
     _assert_matches_eager(reference, engine)
     assert engine.runner.recompilations == 1
+
+
+def test_a_call_identical_to_one_that_passed_skips_the_guard_check(first, model, monkeypatch):
+    """A decode stream calls the forward in the same few shapes step after step: each shape's
+    guards are checked once and later identical calls skip the check (a new block in the
+    table is a new shape), with eager's tokens."""
+    engine = _engine(model)
+    forward = engine.runner.forward
+    checked, calls = [], []
+    check, fn = forward.saved.guard_check, forward.saved.fn
+    monkeypatch.setattr(forward.saved, "guard_check", lambda *a: checked.append(1) or check(*a))
+    monkeypatch.setattr(forward.saved, "fn", lambda *a: calls.append(1) or fn(*a))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    out, _ = run_schedule(engine, [(0, [5, 6, 7, 8, 9], params)])
+    reference, _ = run_schedule(make_engine(model, block_size=4), [(0, [5, 6, 7, 8, 9], params)])
+    assert out["0"].outputs[0].token_ids == reference["0"].outputs[0].token_ids
+    assert len(calls) == 24 and 0 < len(checked) <= 24 // 4 + 2
+    assert engine.runner.recompilations == 0
 
 
 def test_a_trace_that_does_not_fit_the_engine_is_refused_by_its_guards(

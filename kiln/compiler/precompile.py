@@ -8,9 +8,11 @@ backend on that graph, which finds the pieces in the entry's caches.
 
 The guards stay: each call checks the loaded guards (the inputs' dtypes, ranks and devices,
 the KV caches, global state) as Dynamo would have, and a call that fails them falls back to
-Dynamo, which traces it and counts a recompilation. Dimension marks are put on the inputs
-only for a call that traces: a loaded guard requires a tensor's marks to be what they were
-when it was traced, and torch saves the trace without them."""
+Dynamo, which traces it and counts a recompilation. A call identical to one that passed
+(the same kind of inputs in the same shapes: kiln/compiler/passed_calls.py) skips the check.
+Dimension marks are put on the inputs only for a call that traces: a loaded guard requires a
+tensor's marks to be what they were when it was traced, and torch saves the trace without
+them."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kiln.compiler.passed_calls import PassedCalls, call_key
 from kiln.compiler.split_backend import (
     SplitBackend,
     model_guard_filter,
@@ -99,6 +102,7 @@ class PrecompiledForward:
             forward, backend=backend, fullgraph=True, options={"guard_filter_fn": guard_filter}
         )
         self.saved: Any = None  # the AOTCompiledFunction, loaded or traced here
+        self.passed = PassedCalls()  # calls whose guards passed: identical ones skip them
         self.stats = backend.stats  # its `trace` says how the forward got its trace
 
     def __call__(self, *args: Any) -> Any:
@@ -108,7 +112,11 @@ class PrecompiledForward:
         if saved is None:
             self.mark_for_trace(args)
             return self.dynamo(*args)
+        key = call_key(args)
+        if key in self.passed:
+            return saved.fn(self.model, *args)
         if saved.guard_check(self.model, *args):
+            self.passed.add(key)
             return saved.fn(self.model, *args)
         return self._guard_failed(args)
 
