@@ -230,6 +230,13 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
         want = x.double() @ (w[0] + w[1])
         scale_of_sums = (x.double().abs() @ (w[0].abs() + w[1].abs())).max().item()
         torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums)
+        # one plane with the rows' and output's casts inside the call: the same bits as the
+        # float32 product cast by torch (bf16 rows widen exactly, the output rounds once)
+        f32, bf16 = torch.float32, torch.bfloat16
+        for x_dtype, out_dtype in ((f32, f32), (bf16, bf16), (f32, bf16), (bf16, f32)):
+            xi = x.to(x_dtype)
+            cast = kernel.matmul(xi.float(), *planes[0], group, block).to(out_dtype)
+            assert torch.equal(kernel.matmul_as(xi, *planes[0], group, block, out_dtype), cast)
 
 
 def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):

@@ -50,6 +50,25 @@ class Int4MatmulKernel:
         )  # fmt: skip
         return out
 
+    def matmul_as(
+        self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+        group_size: int, block_n: int, dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """`matmul` of float32 or bf16 rows (contiguous), the float32 product returned as
+        `dtype` (float32 or bf16, rounded once): one call where a decode step's linear made
+        three (the rows widened, the product, its rounding)."""
+        r, k = rows.shape
+        out = torch.empty(r, scales_zeros.shape[1], dtype=dtype)
+        self.library.kiln_int4_mm_cast(
+            CAST_DTYPES[rows.dtype], rows.data_ptr(), r, k, packed.data_ptr(),
+            scales_zeros.data_ptr(), scales_zeros.shape[1], block_n, group_size,
+            CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+CAST_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # matmul_as's rows and outputs
+
 
 @functools.cache
 def int4_matmul_kernel() -> Int4MatmulKernel | None:
@@ -94,6 +113,8 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     library.kiln_int4_mm.restype = None
     library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int,
                                      ctypes.c_int]  # fmt: skip
+    library.kiln_int4_mm_cast.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64,
+                                          ctypes.c_int, ptr, ctypes.c_int]  # fmt: skip
     return Int4MatmulKernel(library, library.kiln_int4_mm_isa())
 
 

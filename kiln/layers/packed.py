@@ -43,7 +43,7 @@ from kiln.layers.cpu_int4_layout import (
     cpu_pack,
     cpu_rows,
 )
-from kiln.layers.int4_kernel import int4_matmul_kernel
+from kiln.layers.int4_kernel import CAST_DTYPES, int4_matmul_kernel
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is faster
@@ -262,8 +262,13 @@ def int4_matmul(
     DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32 rows split in
     two), each row computed alone; from there the weight dequantized to the rows' dtype and
     one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
+    kernel = int4_matmul_kernel() if rows.shape[0] < DEQUANT_MIN_ROWS else None
+    dtype = torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
+    if kernel is not None and packed1 is None and _castable(rows, dtype):
+        block = cpu_block_n() or CPU_BLOCKS[0]
+        return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dtype)
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
-    if rows.shape[0] < DEQUANT_MIN_ROWS and (kernel := int4_matmul_kernel()) is not None:
+    if kernel is not None:
         y = _kernel_product(kernel, rows, planes, group_size)
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
     if packed1 is not None:  # the planes' float32 sum, rounded once, as the kernel's
@@ -285,6 +290,11 @@ def _kernel_product(kernel, rows: torch.Tensor, planes, group_size: int) -> torc
     for packed, scales_zeros in planes:
         y = kernel.matmul(x, packed, scales_zeros, group_size, block, out=y)
     return y
+
+
+def _castable(rows: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether kiln's kernel takes `rows` and returns `dtype` itself (one plane)."""
+    return rows.dtype in CAST_DTYPES and dtype in CAST_DTYPES and rows.is_contiguous()
 
 
 def _int4_matmul_plane(rows, packed, scales_zeros, group_size: int) -> torch.Tensor:
@@ -341,8 +351,12 @@ def _int4_or_dense_mm(
         return bf16_matmul_kernel().matmul(half, dense, scales_zeros.shape[1])  # type: ignore[union-attr]
     if dense.dim() == 2 and rows.shape[0] >= DENSE_MIN_ROWS:
         return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
+    kernel = int4_matmul_kernel()
+    if kernel is not None and packed1 is None and _castable(rows, dense.dtype):
+        block = cpu_block_n() or CPU_BLOCKS[0]
+        return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dense.dtype)
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
-    if (kernel := int4_matmul_kernel()) is not None:
+    if kernel is not None:
         return _kernel_product(kernel, rows, planes, group_size).to(dense.dtype)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     half = rows.to(torch.bfloat16)  # the planes' products summed in float32, rounded once

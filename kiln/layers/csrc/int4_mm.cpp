@@ -208,4 +208,30 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
   }
 }
 
+// kiln_int4_mm over rows and an output of either type (dtype 0 float32, 1 bf16): bf16 rows
+// widened here, a bf16 output rounded once (to nearest even) from the float32 sums, as the
+// caller's own conversions did, which cost more than the kernel's arithmetic at one row.
+void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* packed,
+                       const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
+                       int out_dtype, void* out, int threads) {
+  std::vector<float> xf, yf;
+  const float* xs = static_cast<const float*>(x);
+  if (x_dtype == 1) {
+    xf.resize(rows * k);
+    const uint16_t* xb = static_cast<const uint16_t*>(x);
+    for (int64_t i = 0; i < rows * k; ++i) xf[i] = bf16_to_float(xb[i]);
+    xs = xf.data();
+  }
+  float* ys = static_cast<float*>(out);
+  if (out_dtype == 1) {
+    yf.resize(rows * n);
+    ys = yf.data();
+  }
+  kiln_int4_mm(xs, rows, k, packed, scales_zeros, n, block, group, ys, 0, threads);
+  if (out_dtype == 1) {
+    uint16_t* yb = static_cast<uint16_t*>(out);
+    for (int64_t i = 0; i < rows * n; ++i) yb[i] = kiln_bf16::float_to_bf16(ys[i]);
+  }
+}
+
 }  // extern "C"
