@@ -1,9 +1,10 @@
 """Batched sampling on the device.
 
 Order: penalties, logit_bias, min_tokens masking, then greedy rows take the argmax; the others
-divide by temperature, drop tokens outside top-k / top-p / min-p, and sample by the exponential
-race (argmax of p / E with E ~ Exp(1)), which lets every seeded row draw its noise from its own
-generator: a seeded request samples the same tokens whatever else is in the batch.
+divide by temperature, drop tokens outside top-k / top-p / min-p, and draw one token by the
+inverse of the cumulative distribution at one uniform number (`draw`), which a seeded row takes
+from its own generator: a seeded request samples the same tokens whatever else is in the
+batch.
 Logprobs are those of the model's raw distribution (as vLLM returns by default)."""
 
 from __future__ import annotations
@@ -233,22 +234,40 @@ def sampled_rows(batch: SamplingBatch) -> list[int]:
 def sampling_probs(shaped: torch.Tensor, batch: SamplingBatch, rows: list[int]) -> torch.Tensor:
     """The distribution each of `rows` samples from: its shaped logits over its temperature,
     outside its top-k / top-p / min-p set to zero."""
-    sub = _rows(batch, torch.tensor(rows, dtype=torch.long, device=shaped.device))
-    scaled = shaped[rows] / sub.temperature[:, None]
+    if len(rows) == shaped.shape[0]:  # every row samples: no copy of the rows to take them
+        sub, scaled = batch, shaped / batch.temperature[:, None]
+    else:
+        sub = _rows(batch, torch.tensor(rows, dtype=torch.long, device=shaped.device))
+        scaled = shaped[rows] / sub.temperature[:, None]
     return filter_logits(scaled, sub).softmax(-1)
 
 
+DRAW_BLOCK = 256  # a draw finds its block of tokens first, then the token within it
+
+
 def draw(probs: torch.Tensor, seqs: list, generator: torch.Generator) -> torch.Tensor:
-    """One token per row of `probs` (rows summing to 1, or any positive total), each seeded
-    row from its sequence's own generator: by the inverse of the row's cumulative sums at one
-    uniform, in float64 so that the uniform times the total stays below the last sum and a
-    token of probability zero (an empty interval) is never drawn. One random number a row,
-    where an exponential per token (the exponential race) took 0.9 ms a row of the embedded
-    model's 49,152 tokens on the CPU (15 ms a step of 16 rows)."""
-    cdf = probs.double().cumsum(-1)
-    target = (_uniforms(probs, seqs, generator) * cdf[:, -1]).unsqueeze(-1)
-    tokens = torch.searchsorted(cdf, target, right=True).squeeze(-1)
-    return tokens.clamp_(max=probs.shape[-1] - 1)  # a NaN row: a valid id, as argmax gave
+    """One token per row of `probs` (rows of any positive total), each seeded row from its
+    sequence's own generator: the inverse of the row's cumulative sums at one uniform, found in
+    two levels (the sums of blocks of DRAW_BLOCK tokens, then the chosen block's own), in
+    float64, so that a token of probability zero (an empty interval) is never drawn. One random
+    number a row, where an exponential per token (the exponential race) took 0.9 ms a row of
+    the embedded model's 49,152 tokens on the CPU, and a full cumulative sum 0.06 ms."""
+    rows, vocab = probs.shape
+    padded = (
+        torch.nn.functional.pad(probs, (0, -vocab % DRAW_BLOCK)) if vocab % DRAW_BLOCK else probs
+    )
+    blocks = padded.view(rows, -1, DRAW_BLOCK)
+    block_cdf = blocks.sum(-1).double().cumsum(-1)
+    target = (_uniforms(probs, seqs, generator) * block_cdf[:, -1]).unsqueeze(-1)
+    block = torch.searchsorted(block_cdf, target, right=True).clamp_(max=block_cdf.shape[1] - 1)
+    before = block_cdf.gather(1, (block - 1).clamp(min=0)) * (block > 0)  # sums before it
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK)).squeeze(1)
+    cdf = inside.double().cumsum(-1) + before
+    # the block's sum and its own cumulative sum round apart in the last bits: a target past
+    # the latter takes the block's last token that can be drawn, never a zero after it
+    last = torch.where(inside > 0, torch.arange(DRAW_BLOCK, device=probs.device), 0).amax(-1)
+    offset = torch.minimum(torch.searchsorted(cdf, target, right=True).squeeze(-1), last)
+    return block.squeeze(-1) * DRAW_BLOCK + offset
 
 
 def sample(
@@ -259,10 +278,12 @@ def sample(
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     shaped = shape_logits(logits, batch, eos)
-    greedy = shaped.argmax(-1)
-    if bool((batch.temperature == 0).all()):
-        return SamplerOutput(greedy.tolist(), raw_logprobs)
     rows = sampled_rows(batch)
-    probs = sampling_probs(shaped, batch, rows)
-    greedy[rows] = draw(probs, [seqs[i] for i in rows], generator)
-    return SamplerOutput(greedy.tolist(), raw_logprobs)
+    if not rows:
+        return SamplerOutput(shaped.argmax(-1).tolist(), raw_logprobs)
+    drawn = draw(sampling_probs(shaped, batch, rows), [seqs[i] for i in rows], generator)
+    if len(rows) == len(seqs):
+        return SamplerOutput(drawn.tolist(), raw_logprobs)
+    tokens = shaped.argmax(-1)
+    tokens[rows] = drawn
+    return SamplerOutput(tokens.tolist(), raw_logprobs)
