@@ -12,7 +12,7 @@ import torch
 
 from kiln import SamplingParams
 from kiln.runner.sampler import SamplingBatch, apply_penalties, draw, filter_logits, sample
-from tests.helpers import make_engine, run_schedule
+from tests.helpers import load_benchmark, make_engine, run_schedule
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
 
@@ -304,3 +304,9 @@ def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
     # a row without filters keeps the whole vocabulary even beside rows with top_p (a float
     # cumsum reaching 1 before the tail used to drop its least likely tokens)
     assert kept[params.index(SamplingParams(temperature=1.0))].all()
+
+
+def test_the_sampling_benchmark_times_a_step():
+    bench = load_benchmark("sampling")
+    for params in bench.SETTINGS.values():
+        assert bench.step_ms(params, rows=2, vocab=300, repeats=1) > 0
