@@ -5,7 +5,8 @@ percentiles at several concurrency levels, in one run.
     python benchmarks/serve_load.py --concurrency 1 4 16 64 --requests 64
 
 Each request streams a completion of a fixed length (ignore_eos) from a distinct prompt, so no
-two share a prefix. TTFT is measured to the first chunk that carries text; ITL between chunks."""
+two share a prefix. TTFT is measured to the first chunk that carries text; ITL between chunks.
+`--temperature` (default 0, greedy) samples instead."""
 
 from __future__ import annotations
 
@@ -26,14 +27,14 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, round(p / 100 * (len(s) - 1)))]
 
 
-async def one(client, model: str, i: int, max_tokens: int) -> dict:
+async def one(client, model: str, i: int, max_tokens: int, temperature: float = 0.0) -> dict:
     t0 = time.perf_counter()
     stamps = []
     stream = await client.completions.create(
         model=model,
         prompt=f"Request {i}: write a long story about a lighthouse keeper.",
         max_tokens=max_tokens,
-        temperature=0,
+        temperature=temperature,
         stream=True,
         extra_body={"ignore_eos": True},
     )
@@ -48,12 +49,14 @@ async def one(client, model: str, i: int, max_tokens: int) -> dict:
     }
 
 
-async def level(client, model: str, concurrency: int, requests: int, max_tokens: int) -> dict:
+async def level(
+    client, model: str, concurrency: int, requests: int, max_tokens: int, temperature: float = 0.0
+) -> dict:
     sem = asyncio.Semaphore(concurrency)
 
     async def guarded(i: int) -> dict:
         async with sem:
-            return await one(client, model, i, max_tokens)
+            return await one(client, model, i, max_tokens, temperature)
 
     t0 = time.perf_counter()
     results = await asyncio.gather(*(guarded(i) for i in range(requests)))
@@ -82,7 +85,9 @@ async def main_async(args) -> list[dict]:
     await one(client, model, -1, 4)  # warm-up
     rows = []
     for c in args.concurrency:
-        rows.append(await level(client, model, c, max(c, args.requests), args.max_tokens))
+        rows.append(
+            await level(client, model, c, max(c, args.requests), args.max_tokens, args.temperature)
+        )
     return rows
 
 
@@ -96,6 +101,9 @@ def main() -> None:
         "--requests", type=int, default=16, help="per level (at least its concurrency)"
     )
     parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; clients often send 0.7-1"
+    )
     parser.add_argument("--output")
     args = parser.parse_args()
     rows = asyncio.run(main_async(args))
