@@ -74,7 +74,7 @@ class Timers:
 
 def measure(
     spec: str, tokens: int, threads: int, context: int, streams: int, model: str | None = None,
-    cpu_linears: str = "auto",
+    cpu_linears: str = "auto", packed_activations: str = "auto",
 ) -> dict[str, float]:  # fmt: skip
     quantization, dtypes, mode, *rest = spec.split(":", 4)
     dtype, kv_dtype = [*dtypes.split("/"), "auto"][:2]
@@ -83,7 +83,7 @@ def measure(
     compilation = {"mode": int(mode), "inductor_compile_config": json.loads(options)}
     llm = LLM(model, quantization=quantization, dtype=dtype, compilation_config=compilation,
               attention_backend=backend, kv_cache_dtype=kv_dtype,
-              cpu_linears=cpu_linears)  # fmt: skip
+              cpu_linears=cpu_linears, packed_activations=packed_activations)  # fmt: skip
     prompt = _prompt(llm, context) if context else PROMPT
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm: every shape of this run compiled and seen
@@ -190,20 +190,34 @@ def main() -> None:
         "--cpu-linears", nargs="+", default=["auto"], choices=("auto", "onednn"),
         help="bf16 linears' kernel; two values measure each configuration with both",
     )  # fmt: skip
+    parser.add_argument(
+        "--packed-activations", nargs="+", default=["auto"],
+        choices=("auto", "float", "int16", "int8"),
+        help="how decode rows meet packed weights; several values measure each configuration "
+        "with each",
+    )  # fmt: skip
     args = parser.parse_args()
     rows = {
-        f"{spec}{'' if len(args.cpu_linears) == 1 else '/' + linears}": measure(
-            spec, args.tokens, args.threads, args.context, args.streams, args.model, linears
+        _column(spec, linears, rows, args): measure(
+            spec, args.tokens, args.threads, args.context, args.streams, args.model, linears,
+            rows,
         )
         for spec in args.configs
         for linears in args.cpu_linears
-    }
+        for rows in args.packed_activations
+    }  # fmt: skip
     names = list(dict.fromkeys(k for row in rows.values() for k in row))
     print(f"\n{'ms per decode step':34}" + "".join(f"{s:>17}" for s in rows))
     for name in names:
         print(f"{name:34}" + "".join(f"{row.get(name, 0):17.2f}" for row in rows.values()))
     rates = "".join(f"{args.streams * 1e3 / row['step']:17.1f}" for row in rows.values())
     print(f"{'tokens/s (all streams)':34}" + rates)
+
+
+def _column(spec: str, linears: str, rows: str, args: argparse.Namespace) -> str:
+    """A configuration's column name: its spec, and the kernel choices measured several ways."""
+    many_linears, many_rows = len(args.cpu_linears) > 1, len(args.packed_activations) > 1
+    return spec + (f"/{linears}" if many_linears else "") + (f"/{rows}" if many_rows else "")
 
 
 if __name__ == "__main__":

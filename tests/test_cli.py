@@ -75,7 +75,9 @@ def test_info_prints_architecture_and_config():
     weights = [line for line in res.stdout.splitlines() if line.startswith("weights ")]
     assert any("Q4_1 -> int4 packed" in line for line in weights), weights
     assert any("Q8_0 -> int4 packed" in line and "two planes" in line for line in weights)
-    assert rows["quantization"].strip() == "auto (prefill weights: auto)"
+    assert rows["quantization"].strip() == (
+        "auto (prefill weights: auto, packed activations: auto)"
+    )
     resident = float(rows["resident weights"].split()[0])
     assert 90 < resident < 110, resident
 

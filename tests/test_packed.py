@@ -239,6 +239,78 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
             assert torch.equal(kernel.matmul_as(xi, *planes[0], group, block, out_dtype), cast)
 
 
+def _int8_kernel():
+    from kiln.layers.int4_kernel import int4_matmul_kernel
+
+    kernel = int4_matmul_kernel()
+    if kernel is None or not kernel.has_int8_rows:
+        pytest.skip("kiln's int4 kernel has no int8 path here (it needs AVX512-VNNI and VBMI)")
+    return kernel
+
+
+@pytest.mark.parametrize("group", [32, 128])
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int8_rows_are_the_rows_quantized_by_hand(group, planes):
+    """The int8 path (--packed-activations int8 / int16) against the same quantization done
+    by hand in float64 (int8_rows_product): rows 1, 2, 3 and 5 (its blocks of two rows and the
+    remainder), the second plane of Q8_0 added into the first's output, rows of very different
+    sizes per chunk of 32 and an all-zero chunk, and the casts inside matmul_as."""
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+    from kiln.layers.int4_kernel import int8_rows_product
+
+    kernel = _int8_kernel()
+    n, k = 128, 512
+    weights = []
+    for _ in range(2):
+        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+        scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
+        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+        packed = cpu_pack(codes, 64)
+        weights.append((packed, sz, cpu_dequantize_t(packed, sz, group, torch.float64, 64)))
+    for rows in (1, 2, 3, 5):
+        x = torch.randn(rows, k) * torch.logspace(-3, 2, k)
+        x[:, 64:96] = 0
+        y = kernel.matmul(x, *weights[0][:2], group, 64, int8_planes=planes)
+        kernel.matmul(x, *weights[1][:2], group, 64, out=y, int8_planes=planes)
+        want = sum(int8_rows_product(x, planes, w, sz, group) for _, sz, w in weights)
+        scale_of_sums = (x.double().abs() @ (weights[0][2].abs() + weights[1][2].abs())).max()
+        torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums.item())
+        for dtype in (torch.float32, torch.bfloat16):
+            xi = x.to(dtype)
+            cast = kernel.matmul(xi.float(), *weights[0][:2], group, 64, int8_planes=planes)
+            got = kernel.matmul_as(xi, *weights[0][:2], group, 64, dtype, int8_planes=planes)
+            assert torch.equal(got, cast.to(dtype))
+
+
+def test_two_int8_planes_keep_16_bits_of_each_value():
+    """int16 (two planes, the default where the CPU has the path): each value within 1/512 of
+    its step of 1/127 of its chunk's largest magnitude, so a product is within that much of
+    the float32 one; one plane (int8) is 256 times coarser, and the bound shows it."""
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+
+    kernel = _int8_kernel()
+    n, k, group = 256, 1024, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
+    sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    packed = cpu_pack(codes, 64)
+    w = cpu_dequantize_t(packed, sz, group, torch.float64, 64)
+    x = torch.randn(3, k)
+    exact = x.double() @ w
+    amax = x.view(3, -1, 32).abs().amax(-1).repeat_interleave(32, 1).double()  # [R, K]
+    codes_times_scale = (
+        w - (sz[..., 1].double() - 8 * sz[..., 0].double()).repeat_interleave(group, 0)
+    ).abs()  # |(code) * scale|: the part of w the quantized rows multiply
+    step = amax / 127
+    for planes, half_step in ((2, step / 512), (1, step / 2)):
+        got = kernel.matmul(x, packed, sz, group, 64, int8_planes=planes).double()
+        bound = half_step @ codes_times_scale + 1e-6 * (x.double().abs() @ w.abs())
+        assert ((got - exact).abs() <= bound).all()
+    error16 = (kernel.matmul(x, packed, sz, group, 64, int8_planes=2).double() - exact).abs()
+    error8 = (kernel.matmul(x, packed, sz, group, 64, int8_planes=1).double() - exact).abs()
+    assert error8.mean() > 50 * error16.mean()
+
+
 def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):
     """The engine's kernel is checked at first use against the dequantized weight by hand; a
     build whose vector path misreads the packing (here: told the wrong block of rows) shows an
@@ -251,7 +323,44 @@ def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):
     assert self_check_error(kernel) < SELF_CHECK_TOLERANCE
 
     class SwappedBlocks:  # reads blocks of 64 as 32 and 32 as 64
-        def matmul(self, x, packed, sz, group, block):
-            return kernel.matmul(x, packed, sz, group, 96 - block)
+        has_int8_rows = kernel.has_int8_rows
+
+        def matmul(self, x, packed, sz, group, block, int8_planes=0):
+            return kernel.matmul(x, packed, sz, group, 96 - block, int8_planes=int8_planes)
 
     assert self_check_error(SwappedBlocks()) > 0.1
+
+
+def _packed_module() -> torch.nn.Module:
+    plane = Int4Codes(
+        torch.randint(0, 16, (64, 64), dtype=torch.uint8), torch.rand(64, 2), torch.rand(64, 2), 32
+    )
+    return torch.nn.Sequential(PackedInt4(QuantizedTensor("test", [plane]), CPU))
+
+
+def test_packed_activations_choose_the_rows_planes(monkeypatch, caplog):
+    """--packed-activations: auto takes two int8 planes where the kernel has the int8 path and
+    float32 rows where it has not, silently; int8 or int16 asked of a kernel without it is a
+    warning naming the remedy, and an error under --strict-graphs."""
+    from kiln.boot import cpu_linears
+    from kiln.errors import ConfigError
+
+    model = _packed_module()
+    kernel = cpu_linears.int4_matmul_kernel()
+    if kernel is not None and kernel.has_int8_rows and cpu_linears.cpu_block_n() == 64:
+        for policy, planes in (("auto", 2), ("int16", 2), ("int8", 1), ("float", 0)):
+            assert "--packed-activations" in cpu_linears.choose_packed_activations(
+                model, policy, strict=True
+            )
+            assert model[0].int8_planes == planes
+    monkeypatch.setattr(cpu_linears, "int4_matmul_kernel", lambda: None)  # not built here
+    with caplog.at_level("WARNING"):
+        assert "float32" in cpu_linears.choose_packed_activations(model, "auto", strict=True)
+    assert model[0].int8_planes == 0 and not caplog.records
+    with caplog.at_level("WARNING"):
+        cpu_linears.choose_packed_activations(model, "int16", strict=False)
+    assert model[0].int8_planes == 0
+    assert "Remedy: --packed-activations float" in caplog.text
+    with pytest.raises(ConfigError, match="no int8 path"):
+        cpu_linears.choose_packed_activations(model, "int8", strict=True)
+    assert cpu_linears.choose_packed_activations(torch.nn.Linear(2, 2), "int8", True) is None

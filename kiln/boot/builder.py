@@ -12,7 +12,7 @@ import torch
 
 from kiln.attention.backend import AttentionBackend
 from kiln.boot.capture import GraphCapture, graph_backend_for
-from kiln.boot.cpu_linears import lay_out_cpu_linears
+from kiln.boot.cpu_linears import choose_packed_activations, lay_out_cpu_linears
 from kiln.boot.draft import (
     build_draft_runner,
     capture_draft_graphs,
@@ -144,7 +144,8 @@ def load_model(
     model.weight_summary = weight_summary(model)
     logger.info("weights: %s", describe_weights(model.weight_summary))
     if device.type == "cpu" and any("int4 packed" in fmt for fmt, _, _ in model.weight_summary):
-        logger.info("int4 matmul of decode rows: %s", describe_int4_kernel())
+        rows = choose_packed_activations(model, config.packed_activations, config.strict_graphs)
+        logger.info("int4 matmul of decode rows: %s, rows %s", describe_int4_kernel(), rows)
     warning = slow_cpu_dtype(dtype) if device.type == "cpu" else None
     if warning:
         logger.warning(warning)

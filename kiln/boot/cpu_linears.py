@@ -1,4 +1,5 @@
-"""Which kernel multiplies a bf16 model's linears on the CPU (`--cpu-linears`).
+"""Which kernel multiplies a bf16 model's linears on the CPU (`--cpu-linears`), and how the
+rows of a decode step meet packed weights there (`--packed-activations`).
 
 `finalize` gives every bf16 weight to kiln's own kernel where the CPU has AVX512-BF16 and no AMX
 (kiln/layers/bf16_kernel.py): 1.4x oneDNN at a 16-stream decode step's rows, 2x at one row,
@@ -12,9 +13,13 @@ import logging
 import torch
 from torch import nn
 
+from kiln.errors import ConfigError
 from kiln.layers.bf16_kernel import describe_bf16_kernel
+from kiln.layers.cpu_int4_layout import cpu_block_n
 from kiln.layers.embedding import VocabEmbedding
+from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import Linear, onednn_runs
+from kiln.layers.packed import PackedInt4
 
 logger = logging.getLogger(__name__)
 
@@ -34,3 +39,33 @@ def _describe(policy: str) -> str:
     if policy == "onednn":
         return f"{library} (--cpu-linears onednn)"
     return describe_bf16_kernel(library)
+
+
+# --packed-activations: int8 planes per 32 columns of a row (16 bits of each value in two planes)
+INT8_PLANES = {"float": 0, "int16": 2, "int8": 1, "auto": 2}
+
+
+def choose_packed_activations(model: nn.Module, policy: str, strict: bool) -> str | None:
+    """How every packed weight's decode rows go into kiln's int4 kernel: as float32 (`float`),
+    as two int8 planes (`int16`, and `auto` where the kernel has the int8 path) or one
+    (`int8`); a description for the boot log, None when the model has no packed weight. int8
+    or int16 on a CPU without the path is a warning (an error with `strict`): rows stay float."""
+    packed = [m for m in model.modules() if isinstance(m, PackedInt4)]
+    if not packed:
+        return None
+    kernel = int4_matmul_kernel()
+    available = kernel is not None and kernel.has_int8_rows and cpu_block_n() == 64
+    if policy in ("int8", "int16") and not available:
+        message = (
+            f"--packed-activations {policy}: kiln's int4 kernel has no int8 path on this CPU "
+            "(it needs AVX512-VNNI and AVX512-VBMI), so decode rows stay float32. Remedy: "
+            "--packed-activations float (or auto)"
+        )
+        if strict:
+            raise ConfigError(message)
+        logger.warning(message)
+    planes = INT8_PLANES[policy] if available else 0
+    for module in packed:
+        module.int8_planes = planes
+    described = {0: "float32", 1: "one int8 plane (8 bits)", 2: "two int8 planes (16 bits)"}
+    return f"as {described[planes]} per 32 columns (--packed-activations {policy})"

@@ -162,5 +162,6 @@ def keyed_model(source: ModelSource, config: EngineConfig, attention: AttentionB
     return {**source.config.to_dict(), "quantization": config.quantization,
             "prefill_weights": config.prefill_weights,
             "cpu_linears": config.cpu_linears,
+            "packed_activations": config.packed_activations,
             "kv_cache_dtype": str(kv_dtype(config)),
             "attention_backend": attention.name}  # fmt: skip

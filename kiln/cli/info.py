@@ -87,7 +87,11 @@ def _config_rows(
 ) -> list[tuple[str, str]]:
     return [
         ("device / dtype", f"{device} / {config.dtype}"),
-        ("quantization", f"{config.quantization} (prefill weights: {config.prefill_weights})"),
+        (
+            "quantization",
+            f"{config.quantization} (prefill weights: {config.prefill_weights}, "
+            f"packed activations: {config.packed_activations})",
+        ),
         ("max_model_len", str(max_model_len)),
         ("max_num_seqs", str(config.scheduler.max_num_seqs)),
         ("max_num_batched_tokens", str(config.scheduler.max_num_batched_tokens)),

@@ -27,6 +27,7 @@ class Int4MatmulKernel:
 
     library: ctypes.CDLL
     isa: int  # 0 portable, 1 AVX2 with FMA, 2 AVX-512
+    has_int8_rows: bool  # AVX512-VNNI with VBMI: rows may go in as int8 planes
 
     @property
     def vectorized(self) -> bool:
@@ -34,11 +35,13 @@ class Int4MatmulKernel:
 
     def matmul(
         self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-        group_size: int, block_n: int, out: torch.Tensor | None = None,
+        group_size: int, block_n: int, out: torch.Tensor | None = None, int8_planes: int = 0,
     ) -> torch.Tensor:  # fmt: skip
         """float32 [R, K] rows (contiguous) times the plane (`packed` [N, K/2] uint8 in blocks
         of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16) -> float32 [R, N]; added into `out`
-        where it is given."""
+        where it is given. `int8_planes` 1 or 2: the rows go in as that many int8 planes per 32
+        columns (8 or 16 bits of each value) where this build has that path and `block_n` is 64
+        (else, and with 0, as float32)."""
         r, k = rows.shape
         n = scales_zeros.shape[1]
         accumulate = out is not None
@@ -46,13 +49,13 @@ class Int4MatmulKernel:
             out = torch.empty(r, n, dtype=torch.float32)
         self.library.kiln_int4_mm(
             rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(), n, block_n,
-            group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(),
+            group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
 
     def matmul_as(
         self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-        group_size: int, block_n: int, dtype: torch.dtype,
+        group_size: int, block_n: int, dtype: torch.dtype, int8_planes: int = 0,
     ) -> torch.Tensor:  # fmt: skip
         """`matmul` of float32 or bf16 rows (contiguous), the float32 product returned as
         `dtype` (float32 or bf16, rounded once): one call where a decode step's linear made
@@ -62,7 +65,7 @@ class Int4MatmulKernel:
         self.library.kiln_int4_mm_cast(
             CAST_DTYPES[rows.dtype], rows.data_ptr(), r, k, packed.data_ptr(),
             scales_zeros.data_ptr(), scales_zeros.shape[1], block_n, group_size,
-            CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
+            CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
 
@@ -88,8 +91,9 @@ SELF_CHECK_TOLERANCE = 1e-4  # float32 sums over 256 columns: ~1e-6; a wrong cod
 
 def self_check_error(kernel: Int4MatmulKernel) -> float:
     """The kernel's largest error on a small random matrix in both CPU layouts (blocks of 32
-    and 64), relative to the largest float64 product by hand: a vector path that misreads the
-    layout on some CPU is found at boot, not in a model's output."""
+    and 64), relative to the largest float64 product by hand, with float32 rows and (where it
+    has that path) int8 planes of them: a vector path that misreads the layout on some CPU is
+    found at boot, not in a model's output."""
     g = torch.Generator().manual_seed(0)
     n, k, group = 128, 256, 32
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
@@ -99,10 +103,34 @@ def self_check_error(kernel: Int4MatmulKernel) -> float:
     worst = 0.0
     for block in (32, 64):
         packed = cpu_pack(codes, block)
-        want = x.double() @ cpu_dequantize_t(packed, scales_zeros, group, torch.float64, block)
-        got = kernel.matmul(x, packed, scales_zeros, group, block).double()
-        worst = max(worst, ((got - want).abs().max() / want.abs().max()).item())
+        w = cpu_dequantize_t(packed, scales_zeros, group, torch.float64, block)
+        for planes in (0, 1, 2) if kernel.has_int8_rows and block == 64 else (0,):
+            want = int8_rows_product(x, planes, w, scales_zeros, group)
+            got = kernel.matmul(x, packed, scales_zeros, group, block, int8_planes=planes)
+            worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
     return worst
+
+
+def int8_rows_product(
+    x: torch.Tensor, planes: int, w: torch.Tensor, scales_zeros: torch.Tensor, group: int
+) -> torch.Tensor:
+    """float64 product of float32 rows `x` [R, K] and the dequantized weight `w` [K, N] as the
+    kernel forms it with `planes` int8 planes (0: the rows as they are): the rows quantized
+    per 32 columns exactly as the kernel quantizes them, each group's zero term taken on the
+    rows' own float32 sum (sum_k w x = scale sum_k code x^ + (zero - 8 scale) sum_k x)."""
+    if planes == 0:
+        return x.double() @ w
+    chunks = x.view(x.shape[0], -1, 32)
+    amax = chunks.abs().amax(-1, keepdim=True)
+    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
+    scaled = chunks * inverse
+    q = torch.round(scaled)
+    if planes == 2:
+        q = q + torch.round((scaled - q) * 256).clamp(-127, 127) / 256
+    approx = (q.double() * (amax.double() / 127)).view_as(x)  # float32 scale, as the kernel's
+    scale, zero = scales_zeros.double().unbind(-1)  # [K/G, N]
+    bias = (zero - 8 * scale).repeat_interleave(group, 0)  # [K, N]
+    return approx @ w + (x.double() - approx) @ bias
 
 
 def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
@@ -111,11 +139,13 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     library.kiln_int4_mm_isa.restype = ctypes.c_int
     library.kiln_int4_mm.restype = None
-    library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, ctypes.c_int,
-                                     ctypes.c_int]  # fmt: skip
-    library.kiln_int4_mm_cast.argtypes = [ctypes.c_int, ptr, i64, i64, ptr, ptr, i64, i64, i64,
-                                          ctypes.c_int, ptr, ctypes.c_int]  # fmt: skip
-    return Int4MatmulKernel(library, library.kiln_int4_mm_isa())
+    flag = ctypes.c_int
+    library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, flag, flag, flag]
+    library.kiln_int4_mm_cast.argtypes = [flag, ptr, i64, i64, ptr, ptr, i64, i64, i64, flag, ptr,
+                                          flag, flag]  # fmt: skip
+    library.kiln_int4_mm_int8_rows.restype = flag
+    int8_rows = library.kiln_int4_mm_int8_rows() == 1
+    return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_rows)
 
 
 def describe_int4_kernel() -> str:

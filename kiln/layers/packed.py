@@ -128,6 +128,7 @@ class PackedInt4(nn.Module):
         self.out_features, self.in_features = t.shape
         self.group_size, self.kind, self.num_planes = t.group_size, t.kind, len(t.planes)
         self.block_n = cpu_block_n() if device.type == "cpu" else 0  # a constant when traced
+        self.int8_planes = 0  # rows into kiln's CPU kernel as int8 planes (--packed-activations)
         for i, plane in enumerate(t.planes):
             packed, scales_zeros = pack_plane(plane, device)
             self.register_buffer(f"packed{i}", packed)
@@ -162,13 +163,14 @@ class PackedInt4(nn.Module):
             second = len(packed) == 2
             y = torch.ops.kiln.int4_or_dense_mm(
                 rows, packed[0], scales_zeros[0], packed[1] if second else None,
-                scales_zeros[1] if second else None, self.dense, self.group_size,
+                scales_zeros[1] if second else None, self.dense, self.group_size, self.int8_planes,
             )  # fmt: skip
         elif rows.device.type == "cpu":
             second = len(packed) == 2
             y = torch.ops.kiln.int4_mm(
                 rows, packed[0], scales_zeros[0], self.group_size,
                 packed[1] if second else None, scales_zeros[1] if second else None,
+                self.int8_planes,
             )  # fmt: skip
         else:
             y = _tinygemm(rows, packed, scales_zeros, self.group_size)
@@ -256,20 +258,22 @@ def int4_matmul(
     group_size: int,
     packed1: torch.Tensor | None = None,
     scales_zeros1: torch.Tensor | None = None,
+    int8_planes: int = 0,
 ) -> torch.Tensor:
     """CPU, [R, K] rows times one packed plane (and a second one, Q8_0's, added in float32
     before the result is rounded) -> [R, N padded] in float32 (float32 rows) or bf16. Below
     DEQUANT_MIN_ROWS rows kiln's kernel (aten's where it was not built: float32 rows split in
     two), each row computed alone; from there the weight dequantized to the rows' dtype and
-    one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's)."""
+    one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's). `int8_planes`:
+    kiln's kernel takes the rows as that many int8 planes (`--packed-activations`)."""
     kernel = int4_matmul_kernel() if rows.shape[0] < DEQUANT_MIN_ROWS else None
     dtype = torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
     if kernel is not None and packed1 is None and _castable(rows, dtype):
         block = cpu_block_n() or CPU_BLOCKS[0]
-        return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dtype)
+        return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dtype, int8_planes)
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if kernel is not None:
-        y = _kernel_product(kernel, rows, planes, group_size)
+        y = _kernel_product(kernel, rows, planes, group_size, int8_planes)
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
     if packed1 is not None:  # the planes' float32 sum, rounded once, as the kernel's
         y = _int4_matmul_plane(rows, packed, scales_zeros, group_size).float()
@@ -283,12 +287,16 @@ def _planes(packed, scales_zeros, packed1, scales_zeros1) -> list:
     return [(packed, scales_zeros)] + ([(packed1, scales_zeros1)] if packed1 is not None else [])
 
 
-def _kernel_product(kernel, rows: torch.Tensor, planes, group_size: int) -> torch.Tensor:
+def _kernel_product(
+    kernel, rows: torch.Tensor, planes, group_size: int, int8_planes: int
+) -> torch.Tensor:
     """float32 rows times the planes through kiln's kernel, each added into the first's
     float32 output (rounded by the caller once)."""
     x, block, y = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0], None
     for packed, scales_zeros in planes:
-        y = kernel.matmul(x, packed, scales_zeros, group_size, block, out=y)
+        y = kernel.matmul(
+            x, packed, scales_zeros, group_size, block, out=y, int8_planes=int8_planes
+        )
     return y
 
 
@@ -319,18 +327,19 @@ def _int4_matmul_plane(rows, packed, scales_zeros, group_size: int) -> torch.Ten
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "int4_mm(Tensor rows, Tensor packed, Tensor scales_zeros, int group_size, "
-    "Tensor? packed1=None, Tensor? scales_zeros1=None) -> Tensor"
+    "Tensor? packed1=None, Tensor? scales_zeros1=None, int int8_planes=0) -> Tensor"
 )
 _LIB.impl("int4_mm", int4_matmul, "CompositeExplicitAutograd")
-torch.library.register_fake(
-    "kiln::int4_mm",
-    lambda rows, packed, scales_zeros, group_size, packed1=None, scales_zeros1=None: rows.new_empty(
-        rows.shape[0],
-        scales_zeros.shape[1],
-        dtype=torch.float32 if rows.dtype == torch.float32 else torch.bfloat16,
-    ),
-    lib=_LIB,
-)
+
+
+def _int4_mm_fake(
+    rows, packed, scales_zeros, group_size, packed1=None, scales_zeros1=None, int8_planes=0
+) -> torch.Tensor:
+    dtype = torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
+    return rows.new_empty(rows.shape[0], scales_zeros.shape[1], dtype=dtype)
+
+
+torch.library.register_fake("kiln::int4_mm", _int4_mm_fake, lib=_LIB)
 
 
 def _int4_or_dense_mm(
@@ -341,6 +350,7 @@ def _int4_or_dense_mm(
     scales_zeros1: torch.Tensor | None,
     dense: torch.Tensor,
     group_size: int,
+    int8_planes: int = 0,
 ) -> torch.Tensor:
     """CPU, [R, K] rows -> [R, N padded] in the dense copy's dtype: the int4 planes (a second
     one for Q8_0, added in float32 by kiln's kernel) below the copy's switch, the dense copy
@@ -354,10 +364,12 @@ def _int4_or_dense_mm(
     kernel = int4_matmul_kernel()
     if kernel is not None and packed1 is None and _castable(rows, dense.dtype):
         block = cpu_block_n() or CPU_BLOCKS[0]
-        return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dense.dtype)
+        return kernel.matmul_as(
+            rows, packed, scales_zeros, group_size, block, dense.dtype, int8_planes
+        )
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if kernel is not None:
-        return _kernel_product(kernel, rows, planes, group_size).to(dense.dtype)
+        return _kernel_product(kernel, rows, planes, group_size, int8_planes).to(dense.dtype)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     half = rows.to(torch.bfloat16)  # the planes' products summed in float32, rounded once
     y = functools.reduce(torch.add, (mm(half, p, group_size, sz).float() for p, sz in planes))
@@ -366,13 +378,15 @@ def _int4_or_dense_mm(
 
 _LIB.define(
     "int4_or_dense_mm(Tensor rows, Tensor packed, Tensor scales_zeros, Tensor? packed1, "
-    "Tensor? scales_zeros1, Tensor dense, int group_size) -> Tensor"
+    "Tensor? scales_zeros1, Tensor dense, int group_size, int int8_planes=0) -> Tensor"
 )
 _LIB.impl("int4_or_dense_mm", _int4_or_dense_mm, "CompositeExplicitAutograd")
-torch.library.register_fake(
-    "kiln::int4_or_dense_mm",
-    lambda rows, packed, scales_zeros, packed1, scales_zeros1, dense, group_size: rows.new_empty(
-        rows.shape[0], scales_zeros.shape[1], dtype=dense.dtype
-    ),
-    lib=_LIB,
-)
+
+
+def _int4_or_dense_mm_fake(
+    rows, packed, scales_zeros, packed1, scales_zeros1, dense, group_size, int8_planes=0
+) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], scales_zeros.shape[1], dtype=dense.dtype)
+
+
+torch.library.register_fake("kiln::int4_or_dense_mm", _int4_or_dense_mm_fake, lib=_LIB)

@@ -17,6 +17,8 @@
 // -march=native -fopenmp), through the same builder as the decode-attention kernel.
 
 #include <cstdint>
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -151,6 +153,131 @@ bool run_block(const Problem& p, int64_t block) {
 bool run_block(const Problem&, int64_t) { return false; }
 #endif
 
+// The int8-activation path (AVX512-VNNI with VBMI, blocks of 64 rows): each row's columns
+// quantized to int8 per chunk of 32 (scale = largest |x| / 127, as llama.cpp's Q8 rows), so a
+// column quad of 64 weights is one vpdpbusd per 16 outputs: codes times int8 columns, summed
+// four at a time into int32 lanes. The float path above spends about 14 vector operations on
+// 64 weights (widen, convert, FMA); this one about 3.5, so a 1B model's step is bound by the
+// weight stream again instead of by the core.
+//
+// vpdpbusd sums the four bytes of a 32-bit lane, which must be one output row's four columns;
+// the layout has a column's 64 codes side by side (row j low nibble, row j + 32 high), so one
+// vpermt2b per 16 rows gathers four columns' bytes into lanes. The high nibble is kept in
+// place (& 0xf0: 16 times the code) and its sums scaled by 1/16, which is exact.
+#if defined(KILN_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KILN_INT8_ROWS 1
+constexpr int64_t CHUNK = 32;  // columns per int8 scale
+
+struct Int8Problem {
+  const int8_t* xq;     // [planes, rows, k]: the codes, then (two planes) their remainders'
+  const float* xscale;  // [rows, k / CHUNK]: the first plane's scale (the second's is / 256)
+  const float* sums;    // [rows, k / group]: each row's float32 sum over each group
+  int64_t rows, k;
+  const uint8_t* packed;
+  const uint16_t* scales_zeros;
+  int64_t n, group;
+  float* out;
+};
+
+// Lane r of the gather: byte j of a (columns k, k + 1) or b (columns k + 2, k + 3), row r0 + r.
+inline __m512i quad_index(int r0) {
+  alignas(64) uint8_t idx[64];
+  for (int r = 0; r < 16; ++r) {
+    const int row = r0 + r;
+    idx[4 * r] = row, idx[4 * r + 1] = 32 + row, idx[4 * r + 2] = 64 + row, idx[4 * r + 3] = 96 + row;
+  }
+  return _mm512_load_si512(idx);
+}
+
+// Rows m0 .. m0 + R of block `block`: acc[r][j] holds outputs n0 + 16 j .. + 16 of row r.
+template <int R, int P>
+void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
+  const int64_t n0 = block * 64, groups = p.k / p.group, chunks = p.k / CHUNK;
+  const uint8_t* column = p.packed + block * p.k * 32;
+  const __m512i idx0 = quad_index(0), idx1 = quad_index(16);
+  const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(int8_t(0xf0));
+  for (int64_t g = 0; g < groups; ++g) {
+    __m512 facc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
+    for (int64_t c = g * p.group / CHUNK; c < (g + 1) * p.group / CHUNK; ++c) {
+      __m512i acc[P][R][4];
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) acc[q][r][j] = _mm512_setzero_si512();
+      for (int64_t kk = c * CHUNK; kk < (c + 1) * CHUNK; kk += 4) {
+        const uint8_t* bytes = column + kk * 32;
+        const __m512i a = _mm512_loadu_si512(bytes), b = _mm512_loadu_si512(bytes + 64);
+        const __m512i q0 = _mm512_permutex2var_epi8(a, idx0, b);
+        const __m512i q1 = _mm512_permutex2var_epi8(a, idx1, b);
+        const __m512i w[4] = {_mm512_and_si512(q0, low), _mm512_and_si512(q1, low),
+                              _mm512_and_si512(q0, high), _mm512_and_si512(q1, high)};
+        for (int q = 0; q < P; ++q)
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, p.xq + (q * p.rows + m0 + r) * p.k + kk, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int j = 0; j < 4; ++j)
+              acc[q][r][j] = _mm512_dpbusd_epi32(acc[q][r][j], w[j], xb);
+          }
+      }
+      // two planes: 256 first + second, exact in int32 (|first| <= 240 * 127 * 32 per chunk)
+      for (int r = 0; r < R; ++r) {
+        const float s = p.xscale[(m0 + r) * chunks + c] * (P == 2 ? 1.0f / 256 : 1.0f);
+        const __m512 lo_scale = _mm512_set1_ps(s), hi_scale = _mm512_set1_ps(s * 0.0625f);
+        for (int j = 0; j < 4; ++j) {
+          const __m512i sum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(acc[0][r][j], 8),
+                                                        acc[P - 1][r][j])
+                                     : acc[0][r][j];
+          facc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), j < 2 ? lo_scale : hi_scale,
+                                       facc[r][j]);
+        }
+      }
+    }
+    for (int j = 0; j < 4; ++j) {
+      vf scale, zero;
+      scale_zero(p.scales_zeros + (g * p.n + n0 + j * 16) * 2, &scale, &zero);
+      const vf bias = vfmadd(vset(-8.0f), scale, zero);
+      for (int r = 0; r < R; ++r) {
+        float* o = p.out + (m0 + r) * p.n + n0 + j * 16;
+        const vf folded = vfmadd(bias, vset(p.sums[(m0 + r) * groups + g]), vload(o));
+        vstore(o, vfmadd(facc[r][j], scale, folded));
+      }
+    }
+  }
+}
+
+template <int P>
+void block_all_rows_int8(const Int8Problem& p, int64_t block) {
+  int64_t m = 0;
+  for (; m + 2 <= p.rows; m += 2) block_rows_int8<2, P>(p, block, m);
+  for (; m < p.rows; ++m) block_rows_int8<1, P>(p, block, m);
+}
+
+// Each row's chunks of 32 columns as int8 codes and a float32 scale (round to nearest); with
+// two planes, the second holds the remainders at 1/256 of the scale: 16 bits of each value.
+void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, int8_t* xq,
+                   float* xscale) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t c = 0; c < k / CHUNK; ++c) {
+      const float* xs = x + m * k + c * CHUNK;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < CHUNK; ++i) amax = std::max(amax, std::fabs(xs[i]));
+      const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+      xscale[m * (k / CHUNK) + c] = scale;
+      for (int64_t i = 0; i < CHUNK; ++i) {
+        const float q = std::nearbyint(xs[i] * inverse);
+        xq[m * k + c * CHUNK + i] = static_cast<int8_t>(q);
+        if (planes == 2) {
+          const float rest = std::nearbyint((xs[i] * inverse - q) * 256.0f);
+          xq[(rows + m) * k + c * CHUNK + i] = static_cast<int8_t>(std::clamp(rest, -127.0f, 127.0f));
+        }
+      }
+    }
+  }
+}
+#endif
+
 // The reference: the same sums in scalar code, any block size.
 void run_block_portable(const Problem& p, int64_t block) {
   const int64_t half = p.block / 2, n0 = block * p.block, groups = p.k / p.group;
@@ -191,16 +318,46 @@ int kiln_int4_mm_isa() {
 #endif
 }
 
+// Whether this build has the int8-activation path (AVX512-VNNI with VBMI).
+int kiln_int4_mm_int8_rows() {
+#ifdef KILN_INT8_ROWS
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 // out [rows, n] float32 = x [rows, k] float32 times the packed weight (n a multiple of block,
-// k of group); added to what out holds when accumulate is set (a second plane of Q8_0).
+// k of group); added to what out holds when accumulate is set (a second plane of Q8_0). With
+// int8_planes 1 or 2, the rows go in as one or two int8 planes per 32 columns (8 or 16 bits of
+// each value) where this build has that path and block is 64; else (and with 0) as float32.
 void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
                   const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
-                  float* out, int accumulate, int threads) {
+                  float* out, int accumulate, int threads, int int8_planes) {
   const int64_t groups = k / group;
   std::vector<float> sums(rows * groups, 0.0f);
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
+#ifdef KILN_INT8_ROWS
+  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
+    std::vector<int8_t> xq(int8_planes * rows * k);
+    std::vector<float> xscale(rows * (k / CHUNK));
+    quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data());
+    const Int8Problem q{xq.data(), xscale.data(), sums.data(), rows, k, packed, scales_zeros,
+                        n, group, out};
+    if (int8_planes == 1) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t b = 0; b < n / block; ++b) block_all_rows_int8<1>(q, b);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(static)
+      for (int64_t b = 0; b < n / block; ++b) block_all_rows_int8<2>(q, b);
+    }
+    return;
+  }
+#else
+  (void)int8_planes;
+#endif
   const Problem p{x, rows, k, packed, scales_zeros, n, block, group, sums.data(), out};
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < n / block; ++b) {
@@ -213,7 +370,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
 // caller's own conversions did, which cost more than the kernel's arithmetic at one row.
 void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* packed,
                        const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
-                       int out_dtype, void* out, int threads) {
+                       int out_dtype, void* out, int threads, int int8_planes) {
   std::vector<float> xf, yf;
   const float* xs = static_cast<const float*>(x);
   if (x_dtype == 1) {
@@ -227,7 +384,7 @@ void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, cons
     yf.resize(rows * n);
     ys = yf.data();
   }
-  kiln_int4_mm(xs, rows, k, packed, scales_zeros, n, block, group, ys, 0, threads);
+  kiln_int4_mm(xs, rows, k, packed, scales_zeros, n, block, group, ys, 0, threads, int8_planes);
   if (out_dtype == 1) {
     uint16_t* yb = static_cast<uint16_t*>(out);
     for (int64_t i = 0; i < rows * n; ++i) yb[i] = kiln_bf16::float_to_bf16(ys[i]);
