@@ -103,6 +103,22 @@ def test_a_float32_row_does_not_depend_on_its_batch_below_the_dequant_switch():
     torch.testing.assert_close(alone, exact, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("planes", [1, 2])
+def test_int8_rows_take_the_kernel_at_every_batch(planes):
+    """With the rows as int8 planes the kernel takes every row count (at 512 rows two planes
+    are 1.4-1.7x dequantize + matmul), so a row's result never depends on its batch: alone,
+    among 7 and among 300 (above the float path's dequantize switch)."""
+    _int8_kernel()
+    _, weights = _gguf_tensor("Q4_1", 192, 512)
+    packed = PackedInt4(weights, CPU)
+    packed.int8_planes = planes
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(3))
+    alone = torch.cat([packed(x[i : i + 1]) for i in range(0, 300, 37)])
+    for batch in (x[:7], x):
+        rows = packed(batch)[::37]
+        assert torch.equal(rows, alone[: len(rows)])
+
+
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_packed_rows_are_the_dequantized_rows(kind):
     ref_w, planes = _gguf_tensor(kind, 200, 256)

@@ -122,11 +122,12 @@ def int8_rows_product(
         return x.double() @ w
     chunks = x.view(x.shape[0], -1, 32)
     amax = chunks.abs().amax(-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127 / amax, torch.zeros_like(amax))
-    scaled = chunks * inverse
-    q = torch.round(scaled)
-    if planes == 2:
-        q = q + torch.round((scaled - q) * 256).clamp(-127, 127) / 256
+    # 127 / amax divided as C++ does (a Python number over a tensor is 127 * (1 / amax))
+    inverse = torch.where(amax > 0, torch.full_like(amax, 127.0) / amax, torch.zeros_like(amax))
+    q = torch.round(chunks * inverse)
+    if planes == 2:  # the remainder of the exact product (float64 holds it), rounded once
+        rest = (chunks.double() * inverse.double() - q.double()).float()
+        q = q + torch.round(rest * 256).clamp(-127, 127) / 256
     approx = (q.double() * (amax.double() / 127)).view_as(x)  # float32 scale, as the kernel's
     scale, zero = scales_zeros.double().unbind(-1)  # [K/G, N]
     bias = (zero - 8 * scale).repeat_interleave(group, 0)  # [K, N]

@@ -221,16 +221,15 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
               acc[q][r][j] = _mm512_dpbusd_epi32(acc[q][r][j], w[j], xb);
           }
       }
-      // two planes: 256 first + second, exact in int32 (|first| <= 240 * 127 * 32 per chunk)
+      // each plane's int32 sums (below 240 * 127 * 32 < 2^24: exact in float32) scaled alone
       for (int r = 0; r < R; ++r) {
-        const float s = p.xscale[(m0 + r) * chunks + c] * (P == 2 ? 1.0f / 256 : 1.0f);
-        const __m512 lo_scale = _mm512_set1_ps(s), hi_scale = _mm512_set1_ps(s * 0.0625f);
-        for (int j = 0; j < 4; ++j) {
-          const __m512i sum = P == 2 ? _mm512_add_epi32(_mm512_slli_epi32(acc[0][r][j], 8),
-                                                        acc[P - 1][r][j])
-                                     : acc[0][r][j];
-          facc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), j < 2 ? lo_scale : hi_scale,
-                                       facc[r][j]);
+        const float s = p.xscale[(m0 + r) * chunks + c];
+        for (int q = 0; q < P; ++q) {
+          const float sq = q == 0 ? s : s * (1.0f / 256);
+          const __m512 lo_scale = _mm512_set1_ps(sq), hi_scale = _mm512_set1_ps(sq * 0.0625f);
+          for (int j = 0; j < 4; ++j)
+            facc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[q][r][j]),
+                                         j < 2 ? lo_scale : hi_scale, facc[r][j]);
         }
       }
     }
@@ -257,7 +256,8 @@ void block_all_rows_int8(const Int8Problem& p, int64_t block) {
 // Each row's chunks of 32 columns as int8 codes and a float32 scale (round to nearest); with
 // two planes, the second holds the remainders at 1/256 of the scale: 16 bits of each value.
 void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, int8_t* xq,
-                   float* xscale) {
+                   float* xscale, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
   for (int64_t m = 0; m < rows; ++m) {
     for (int64_t c = 0; c < k / CHUNK; ++c) {
       const float* xs = x + m * k + c * CHUNK;
@@ -268,8 +268,8 @@ void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, int8_t* 
       for (int64_t i = 0; i < CHUNK; ++i) {
         const float q = std::nearbyint(xs[i] * inverse);
         xq[m * k + c * CHUNK + i] = static_cast<int8_t>(q);
-        if (planes == 2) {
-          const float rest = std::nearbyint((xs[i] * inverse - q) * 256.0f);
+        if (planes == 2) {  // the exact product's remainder, rounded once, whatever the compiler
+          const float rest = std::nearbyint(std::fma(xs[i], inverse, -q) * 256.0f);
           xq[(rows + m) * k + c * CHUNK + i] = static_cast<int8_t>(std::clamp(rest, -127.0f, 127.0f));
         }
       }
@@ -336,6 +336,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
                   float* out, int accumulate, int threads, int int8_planes) {
   const int64_t groups = k / group;
   std::vector<float> sums(rows * groups, 0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
   for (int64_t m = 0; m < rows; ++m)
     for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
@@ -343,7 +344,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
   if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
     std::vector<int8_t> xq(int8_planes * rows * k);
     std::vector<float> xscale(rows * (k / CHUNK));
-    quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data());
+    quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data(), threads);
     const Int8Problem q{xq.data(), xscale.data(), sums.data(), rows, k, packed, scales_zeros,
                         n, group, out};
     if (int8_planes == 1) {
