@@ -274,9 +274,14 @@ def test_min_tokens_with_stop_strings_keeps_the_text_and_ignores_early_stops(eng
 
 def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
     """Filtering among the top CANDIDATES logits must keep exactly what sorting the whole
-    vocabulary keeps: rows whose nucleus ends inside the candidates take the fast path, the
-    others (flat distributions, top_p near 1) fall back to the sort."""
-    from kiln.runner.sampler import CANDIDATES, _filter_candidates, _filter_sorted
+    vocabulary keeps: rows whose nucleus ends inside the candidates take the fast path, wider
+    ones the WIDE_CANDIDATES, the others (flat distributions, top_p near 1) the sort."""
+    from kiln.runner.sampler import (
+        CANDIDATES,
+        WIDE_CANDIDATES,
+        _filter_candidates,
+        _filter_sorted,
+    )
 
     vocab = 49152
     g = torch.Generator().manual_seed(3)
@@ -298,8 +303,9 @@ def test_candidate_filter_equals_full_sort_on_a_real_vocabulary():
     assert torch.equal(fast > float("-inf"), reference > float("-inf"))
     kept = reference > float("-inf")
     assert torch.equal(fast[kept], logits[kept])
-    _, covered = _filter_candidates(logits, batch, 1000)
-    assert 0 < int(covered.sum()) < len(rows)  # both paths ran
+    _, narrow = _filter_candidates(logits, batch, CANDIDATES)
+    _, wide = _filter_candidates(logits, batch, WIDE_CANDIDATES)
+    assert narrow.any() and (wide & ~narrow).any() and not wide.all()  # all three paths ran
     assert kept.sum(-1).min() >= 1 and kept.sum(-1).max() > CANDIDATES
     # a row without filters keeps the whole vocabulary even beside rows with top_p (a float
     # cumsum reaching 1 before the tail used to drop its least likely tokens)
