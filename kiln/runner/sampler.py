@@ -123,6 +123,9 @@ def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[i
 # before the full sort.
 CANDIDATES = 256
 WIDE_CANDIDATES = 4096
+# a nucleus with this share of its mass in the first CANDIDATES tries WIDE_CANDIDATES (random
+# Gaussian logits: ends within 4096 from 0.6 for top_p 0.9, Zipf-like tails sooner)
+WIDE_REACH = 0.6
 
 
 def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -136,22 +139,30 @@ def filter_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         width = max(width, int(ks.max())) if ks.numel() else width
     if width >= vocab:
         return _filter_sorted(logits, batch)
-    out, covered = _filter_candidates(logits, batch, width)
+    out, covered, reach = _filter_candidates(logits, batch, width)
     if not bool(covered.all()):
         rows = (~covered).nonzero().flatten()
-        out[rows] = _filter_wider(logits[rows], _rows(batch, rows), width)
+        out[rows] = _filter_wider(logits[rows], _rows(batch, rows), width, reach[rows])
     return out
 
 
-def _filter_wider(logits: torch.Tensor, batch: SamplingBatch, width: int) -> torch.Tensor:
-    """The rows whose filters reach past `width` candidates: among WIDE_CANDIDATES where that
-    is well below the vocabulary, the rows still uncovered by the full sort."""
-    if width >= WIDE_CANDIDATES or logits.shape[1] < 4 * WIDE_CANDIDATES:
+def _filter_wider(
+    logits: torch.Tensor, batch: SamplingBatch, width: int, reach: torch.Tensor
+) -> torch.Tensor:
+    """The rows whose filters reach past `width` candidates. Those whose top-p nucleus had
+    most of its mass among them (`reach`, the head's mass over top_p) try WIDE_CANDIDATES
+    where that is well below the vocabulary (0.8 against 4.3 ms a row of 49,152 on the CPU);
+    the rest, and rows still uncovered, take the full sort: a flatter row would pay for both."""
+    wide = reach >= WIDE_REACH
+    if width >= WIDE_CANDIDATES or logits.shape[1] < 4 * WIDE_CANDIDATES or not wide.any():
         return _filter_sorted(logits, batch)
-    out, covered = _filter_candidates(logits, batch, WIDE_CANDIDATES)
-    if not bool(covered.all()):
-        rows = (~covered).nonzero().flatten()
-        out[rows] = _filter_sorted(logits[rows], _rows(batch, rows))
+    out = logits.clone()
+    rows = wide.nonzero().flatten()
+    filtered, covered, _ = _filter_candidates(logits[rows], _rows(batch, rows), WIDE_CANDIDATES)
+    out[rows] = filtered
+    rest = torch.cat([(~wide).nonzero().flatten(), rows[~covered]])
+    if rest.numel():
+        out[rest] = _filter_sorted(logits[rest], _rows(batch, rest))
     return out
 
 
@@ -184,7 +195,9 @@ def _filter_sorted(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def _filter_candidates(logits: torch.Tensor, batch: SamplingBatch, width: int):
     """Filter among each row's top `width` logits; a row is covered when its filters drop
-    every token past them (then the result equals the full sort's) or it has no filter."""
+    every token past them (then the result equals the full sort's) or it has no filter.
+    Returns the filtered logits, which rows are covered, and each row's head mass over its
+    top_p (0 without top_p)."""
     head, order = logits.topk(width, dim=-1)
     vocab = logits.shape[1]
     top_k = batch.top_k if batch.top_k is not None else torch.full_like(order[:, 0], vocab)
@@ -195,16 +208,19 @@ def _filter_candidates(logits: torch.Tensor, batch: SamplingBatch, width: int):
     )
     drop, probs = _drop(head, batch, log_total)
     covered, unfiltered = within.clone(), top_k >= vocab
+    reach = torch.zeros_like(head[:, 0])
     if batch.top_p is not None:
-        covered |= probs.sum(-1) >= batch.top_p
+        mass = probs.sum(-1)
+        covered |= mass >= batch.top_p
         unfiltered &= batch.top_p >= 1
+        reach = mass / batch.top_p
     if batch.min_p is not None:
         covered |= probs[:, -1] < batch.min_p * probs[:, 0]
         unfiltered &= batch.min_p <= 0
     out = torch.full_like(logits, float("-inf"))
     out.scatter_(1, order, head.masked_fill(drop, float("-inf")))
     out[unfiltered] = logits[unfiltered]
-    return out, covered | unfiltered
+    return out, covered | unfiltered, reach
 
 
 def _rows(batch: SamplingBatch, rows: torch.Tensor) -> SamplingBatch:
