@@ -214,7 +214,7 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     by hand: rows 1, 2, 3 and 5 (its register blocks of rows and their remainder), and the
     second plane of Q8_0 added into the first's output."""
     from kiln import native
-    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t
     from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
 
     cpu_flags = native.cpu_flags().split()
@@ -232,12 +232,7 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     isa = {"avx512": 2, "avx2": 1, "portable": 0}.get(build, kernel and kernel.isa)
     assert kernel is not None and kernel.isa == isa
     n, k = 128, 512
-    planes = []
-    for _ in range(2):
-        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
-        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-        planes.append((cpu_pack(codes, block), sz))
+    planes = [_random_plane(n, k, group, block) for _ in range(2)]
     w = [cpu_dequantize_t(p, sz, group, torch.float64, block) for p, sz in planes]  # [K, N]
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k)
@@ -253,6 +248,16 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
             xi = x.to(x_dtype)
             cast = kernel.matmul(xi.float(), *planes[0], group, block).to(out_dtype)
             assert torch.equal(kernel.matmul_as(xi, *planes[0], group, block, out_dtype), cast)
+
+
+def _random_plane(n: int, k: int, group: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes packed in blocks of `block` rows, and random (scale, zero) per group."""
+    from kiln.layers.cpu_int4_layout import cpu_pack
+
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
+    sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    return cpu_pack(codes, block), sz
 
 
 def _int8_kernel():
@@ -271,17 +276,14 @@ def test_int8_rows_are_the_rows_quantized_by_hand(group, planes):
     by hand in float64 (int8_rows_product): rows 1, 2, 3 and 5 (its blocks of two rows and the
     remainder), the second plane of Q8_0 added into the first's output, rows of very different
     sizes per chunk of 32 and an all-zero chunk, and the casts inside matmul_as."""
-    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t
     from kiln.layers.int4_kernel import int8_rows_product
 
     kernel = _int8_kernel()
     n, k = 128, 512
     weights = []
     for _ in range(2):
-        codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-        scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
-        sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-        packed = cpu_pack(codes, 64)
+        packed, sz = _random_plane(n, k, group, 64)
         weights.append((packed, sz, cpu_dequantize_t(packed, sz, group, torch.float64, 64)))
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k) * torch.logspace(-3, 2, k)
@@ -302,14 +304,11 @@ def test_two_int8_planes_keep_16_bits_of_each_value():
     """int16 (two planes, the default where the CPU has the path): each value within 1/512 of
     its step of 1/127 of its chunk's largest magnitude, so a product is within that much of
     the float32 one; one plane (int8) is 256 times coarser, and the bound shows it."""
-    from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+    from kiln.layers.cpu_int4_layout import cpu_dequantize_t
 
     kernel = _int8_kernel()
     n, k, group = 256, 1024, 32
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
-    sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-    packed = cpu_pack(codes, 64)
+    packed, sz = _random_plane(n, k, group, 64)
     w = cpu_dequantize_t(packed, sz, group, torch.float64, 64)
     x = torch.randn(3, k)
     exact = x.double() @ w

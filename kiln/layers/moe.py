@@ -166,9 +166,10 @@ class FusedExperts(nn.Module):
             return torch.ops.kiln.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights)
         gate_up, gate_up_sz, gate_up_group = self._operand("gate_up_proj")
         down, down_sz, down_group = self._operand("down_proj")
+        int8_planes = max(m.int8_planes for m in self.packed.values())  # one policy for all
         return torch.ops.kiln.moe_experts_int4(
             x, gate_up, gate_up_sz, down, down_sz, [gate_up_group, down_group],
-            self.intermediate, ids, weights,
+            self.intermediate, ids, weights, int8_planes,
         )  # fmt: skip
 
 

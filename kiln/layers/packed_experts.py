@@ -48,6 +48,7 @@ class PackedExperts(nn.Module):
         self.kind, self.group_size = kind, group_size
         self.out_features, self.in_features = shape
         self.num_planes = len(stacks)
+        self.int8_planes = 0  # rows into kiln's CPU kernel as int8 planes (--packed-activations)
         for i, (packed, scales_zeros) in enumerate(stacks):
             self.register_buffer(f"packed{i}", packed)
             self.register_buffer(f"scales_zeros{i}", scales_zeros)
@@ -144,28 +145,29 @@ class ExpertPacker:
 
 def _expert_product(
     rows: torch.Tensor, weight: list[torch.Tensor], scales_zeros: list[torch.Tensor],
-    group_size: int, expert: int, out_features: int,
+    group_size: int, expert: int, out_features: int, int8_planes: int,
 ) -> torch.Tensor:  # fmt: skip
     """rows times expert `expert`'s projection: a dense stack (`scales_zeros` empty) or the
     packed planes, summed."""
     if not scales_zeros:
         return F.linear(rows, weight[0][expert])
     second = (weight[1][expert], scales_zeros[1][expert]) if len(weight) == 2 else (None, None)
-    y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], group_size, *second)
+    y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], group_size, *second,
+                    int8_planes)  # fmt: skip
     return y[:, :out_features].to(rows.dtype)
 
 
 def _moe_experts_int4(
     x: torch.Tensor, gate_up: list[torch.Tensor], gate_up_sz: list[torch.Tensor],
     down: list[torch.Tensor], down_sz: list[torch.Tensor], group_sizes: list[int],
-    intermediate: int, ids: torch.Tensor, weights: torch.Tensor,
+    intermediate: int, ids: torch.Tensor, weights: torch.Tensor, int8_planes: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
         hidden = _expert_product(rows, gate_up, gate_up_sz, group_sizes[0], expert,
-                                 2 * intermediate)  # fmt: skip
+                                 2 * intermediate, int8_planes)  # fmt: skip
         gate, up = hidden.chunk(2, dim=-1)
         return _expert_product(F.silu(gate) * up, down, down_sz, group_sizes[1], expert,
-                               x.shape[-1])  # fmt: skip
+                               x.shape[-1], int8_planes)  # fmt: skip
 
     return experts_loop(x, ids, weights, gate_up[0].shape[0], project)
 
@@ -173,13 +175,17 @@ def _moe_experts_int4(
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
     "moe_experts_int4(Tensor x, Tensor[] gate_up, Tensor[] gate_up_sz, Tensor[] down, "
-    "Tensor[] down_sz, int[] group_sizes, int intermediate, Tensor ids, Tensor weights) -> Tensor"
+    "Tensor[] down_sz, int[] group_sizes, int intermediate, Tensor ids, Tensor weights, "
+    "int int8_planes=0) -> Tensor"
 )
 _LIB.impl("moe_experts_int4", _moe_experts_int4, "CompositeExplicitAutograd")
-torch.library.register_fake(
-    "kiln::moe_experts_int4",
-    lambda x, gate_up, gate_up_sz, down, down_sz, group_sizes, intermediate, ids, weights: (
-        torch.empty_like(x)
-    ),
-    lib=_LIB,
-)
+
+
+def _moe_experts_int4_fake(
+    x, gate_up, gate_up_sz, down, down_sz, group_sizes, intermediate, ids, weights,
+    int8_planes=0,
+) -> torch.Tensor:  # fmt: skip
+    return torch.empty_like(x)
+
+
+torch.library.register_fake("kiln::moe_experts_int4", _moe_experts_int4_fake, lib=_LIB)
