@@ -91,6 +91,9 @@ def test_the_long_context_profiles_pair_kiln_and_llama_cpp_without_probes():
     args = resolve_serve_args(build_parser().parse_args(["serve", "--profile", "long-context"]))
     assert args.max_model_len == 40960 and args.dtype == "bfloat16"
     assert llama.command[llama.command.index("--n_ctx") + 1] == "40960"
+    # llama-cpp-python's default keeps n_ctx x vocabulary float32 logits (25 GB here): off
+    for profile in (llama, load_profile("llama-cpp-smollm2")):
+        assert profile.command[profile.command.index("--logits_all") + 1] == "False"
 
 
 def test_answer_matching():
