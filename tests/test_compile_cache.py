@@ -86,6 +86,19 @@ def test_the_compilers_environment_keys_the_entry(monkeypatch):
     assert cache_key_fields(**BASE)["env"]["TORCHINDUCTOR_MAX_AUTOTUNE"] == "1"
 
 
+def test_a_cpu_entry_is_keyed_by_the_cpus_flags(monkeypatch):
+    """Inductor vectorises for the CPU's flags, and `--packed-activations auto` resolves by them
+    (two int8 planes with AVX512-VNNI, float32 without): one shared cache, an entry per CPU."""
+    import kiln.compile_cache.key as key
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(key, "cpu_flags", lambda: "flags\t\t: fpu avx2 fma")
+    avx2 = key.device_signature(cpu)
+    assert avx2 == key.device_signature(cpu) and avx2.startswith("cpu:")
+    monkeypatch.setattr(key, "cpu_flags", lambda: "flags\t\t: fpu avx2 fma avx512f avx512_vnni")
+    assert key.device_signature(cpu) != avx2
+
+
 def test_triton_keys_cuda_entries_only():
     """Triton compiles the GPU pieces; the CPU's are C++, so a Triton upgrade leaves them be."""
     assert cache_key_fields(**BASE)["triton"] == triton_version()

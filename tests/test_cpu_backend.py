@@ -322,6 +322,49 @@ def _kernel_types(dtype) -> tuple[torch.dtype, torch.dtype]:
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_a_decode_only_step_writes_and_attends_in_one_kernel_call(dtype):
+    """A step of decode rows only takes the kernel's one-call path (the cache writes and the
+    attention in C++): the caches hold exactly what the reference backend writes (converted or
+    quantized the same way), the output is attention by hand over them, and no tensor
+    operation runs on the way."""
+    q_dtype, kv_dtype = _kernel_types(dtype)
+    caches, q, k, v, layout = _batch(6, 2, 16, q_dtype, contiguous=False)
+    q, k, v, layout = q[:4], k[:4], v[:4], _decodes(layout)
+    caches = _narrow_cache(caches.float(), kv_dtype)
+    ref_caches = caches.clone()
+    backend = CpuPagedAttentionBackend(q_dtype, AttentionShape(6, 2, 16), KERNEL, kv_dtype)
+    if not backend.decode_kernel:
+        pytest.skip("the C++ decode kernel is not built here")
+    meta = backend.metadata_builder(64, torch.device("cpu")).build(layout)
+    out = torch.full((4, 6 * 16), float("nan"), dtype=q_dtype)
+    k_cache, v_cache = caches
+    with profile() as prof:
+        backend.forward(q, k, v, k_cache, v_cache, out, meta, 16**-0.5)
+    assert {e.key for e in prof.key_averages()} == {"kiln::cpu_paged_attention"}
+    reference = CpuPagedAttentionBackend(q_dtype, AttentionShape(6, 2, 16), FRAGMENTS_GATHERED,
+                                         kv_dtype)  # fmt: skip
+    _run(reference, ref_caches, q, k, v, layout)
+    assert torch.equal(caches, ref_caches)
+    want = _by_hand(_cache_values(caches), q.double(), layout, FIRSTS[:4], Q_LENS[:4])
+    tol = 1e-5 if q_dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
+def test_a_padded_decode_only_step_zeroes_its_padding_and_changes_nothing():
+    backend = _backend(torch.float32, KERNEL)
+    if not backend.decode_kernel:
+        pytest.skip("the C++ decode kernel is not built here")
+    caches, q, k, v, layout = _batch(6, 2, 16, torch.float32, contiguous=False)
+    q, k, v, layout = q[:4], k[:4], v[:4], _decodes(layout)
+    unpadded_caches = caches.clone()
+    unpadded = _run(backend, unpadded_caches, q, k, v, layout)
+    padded = _run(backend, caches, q, k, v, layout, pad=3)
+    assert torch.equal(padded[:4], unpadded)
+    assert padded[4:].abs().max() == 0
+    assert torch.equal(caches, unpadded_caches)  # padding rows write nothing
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize("shape", [(9, 3, 64), (16, 8, 128), (8, 1, 32), (4, 4, 8)], ids=str)
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_kernel_matches_attention_by_hand(dtype, shape, build):

@@ -70,6 +70,23 @@ class PagedDecodeKernel:
             kv_heads, dim, block_size, tables.shape[1], splits, scale, threads,
         )  # fmt: skip
 
+    def step(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+        k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+        out: torch.Tensor, scale: float,
+    ) -> None:  # fmt: skip
+        """A step of decode rows only, in one call: each row's k and v ([rows, kv_heads,
+        head_dim] contiguous, q's dtype) written into the caches at `slots` (int64, the first
+        rows read), then `run` over them; out is [rows, heads * head_dim] or as `run` takes it."""
+        rows, heads, dim = q.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        self.library.kiln_paged_decode_step(
+            DTYPES[q.dtype], DTYPES[k_cache.dtype], q.data_ptr(), k.data_ptr(), v.data_ptr(),
+            slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(),
+            lens.data_ptr(), out.data_ptr(), rows, heads, kv_heads, dim, block_size,
+            tables.shape[1], scale, torch.get_num_threads(),
+        )  # fmt: skip
+
     def prefill(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, out: torch.Tensor,
@@ -143,6 +160,10 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_prefill.restype = None
         prefill_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 6, ctypes.c_float]
         library.kiln_paged_prefill.argtypes = [*prefill_args, ctypes.c_int]
+    if hasattr(library, "kiln_paged_decode_step"):
+        library.kiln_paged_decode_step.restype = None
+        step_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 9, *[i64] * 6, ctypes.c_float]
+        library.kiln_paged_decode_step.argtypes = [*step_args, ctypes.c_int]
     library.kiln_paged_decode.restype = None
     library.kiln_paged_decode.argtypes = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 7,
                                           ctypes.c_float, ctypes.c_int]  # fmt: skip

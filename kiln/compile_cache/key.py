@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from kiln.native import cpu_flags
+
 
 def kiln_source_hash() -> str:
     """Hash of every kiln source file: a code change invalidates compiled artifacts."""
@@ -24,9 +26,14 @@ def kiln_source_hash() -> str:
 
 
 def device_signature(device: torch.device) -> str:
+    """The GPU and its capability; on the CPU, its feature flags: Inductor's C++ is vectorised
+    for them, and what `auto` settings resolve to follows them (kiln's kernels' int8 paths
+    under `--packed-activations auto`), so a cache shared by machines keeps one entry each."""
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
         return f"cuda:{torch.cuda.get_device_name(device)}:sm{major}{minor}"
+    if device.type == "cpu":
+        return f"cpu:{hashlib.sha256(cpu_flags().encode()).hexdigest()[:12]}"
     return device.type
 
 

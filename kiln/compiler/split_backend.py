@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch.fx.passes.split_module import split_module
 
+from kiln.compiler.direct_calls import register_direct_calls
 from kiln.compiler.dump import GraphDump, dump_root
 from kiln.compiler.lowerings import register_inductor_lowerings
 from kiln.compiler.vec_isa_probe import VecIsaProbe, wants_probe
@@ -146,6 +147,7 @@ def compile_piece(
         return make_graph_return_tuple(gm, inputs, aot_eager)  # a piece may return one tensor
 
     register_inductor_lowerings()
+    register_direct_calls()
     with torch._inductor.config.patch(options):
         return compile_fx(gm, inputs)
 

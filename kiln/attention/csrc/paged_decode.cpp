@@ -13,6 +13,8 @@
 // (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, else AVX2
 // with FMA, else portable loops. Prefill chunks have their own kernel, prefill.h.
 
+#include <vector>
+
 #include "vector.h"
 
 namespace {
@@ -447,6 +449,54 @@ void write_int8(const T* x, const int64_t* slots, int64_t n, int64_t heads, int6
     }
 }
 
+// Rows x [n, heads, d] (the model's dtype) copied into a float32 or bf16 cache at their slots,
+// as torch's conversion rounds (to nearest even)
+template <typename T, typename KV>
+void write_rows(const T* x, const int64_t* slots, int64_t n, int64_t heads, int64_t d, KV* cache) {
+  const int64_t width = heads * d;
+  for (int64_t t = 0; t < n; ++t) {
+    KV* dst = cache + slots[t] * width;
+    if constexpr (std::is_same_v<T, KV>) {
+      std::memcpy(dst, x + t * width, width * sizeof(T));
+    } else {
+      for (int64_t i = 0; i < width; ++i) from_float(dst + i, to_float(x[t * width + i]));
+    }
+  }
+}
+
+template <typename T, typename KV>
+void write_any(const T* x, const int64_t* slots, int64_t n, int64_t heads, int64_t d, KV* cache) {
+  if constexpr (std::is_same_v<KV, int8_t>)
+    write_int8(x, slots, n, heads, d, cache);
+  else
+    write_rows(x, slots, n, heads, d, cache);
+}
+
+// A step's keys and values [n, heads, d] into the caches (kv_dtype 0 float32, 1 bf16, 2 int8)
+template <typename T>
+void write_step(int kv_dtype, const T* k, const T* v, const int64_t* slots, int64_t n,
+                int64_t heads, int64_t d, void* k_cache, void* v_cache) {
+  const auto both = [&](auto* typed_k, auto* typed_v) {
+    write_any(k, slots, n, heads, d, typed_k);
+    write_any(v, slots, n, heads, d, typed_v);
+  };
+  if (kv_dtype == 0)
+    both(static_cast<float*>(k_cache), static_cast<float*>(v_cache));
+  else if (kv_dtype == 2)
+    both(static_cast<int8_t*>(k_cache), static_cast<int8_t*>(v_cache));
+  else
+    both(static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache));
+}
+
+// Ranges each row's keys are cut into: enough work items for every thread (a few each, as rows
+// differ in length), none shorter than about 512 keys
+int64_t decode_splits(const int32_t* lens, int64_t rows, int threads) {
+  int64_t longest = 0;
+  for (int64_t r = 0; r < rows; ++r) longest = std::max<int64_t>(longest, lens[r]);
+  const int64_t by_length = (longest + 511) / 512, by_threads = (4 * threads + rows - 1) / rows;
+  return std::max<int64_t>(1, std::min(by_length, by_threads));
+}
+
 }  // namespace
 
 #include "prefill.h"
@@ -563,5 +613,31 @@ void kiln_paged_decode(int dtype, int kv_dtype, const void* q, const void* k_cac
     run(static_cast<const float*>(q), static_cast<float*>(out));
   else
     run(static_cast<const uint16_t*>(q), static_cast<uint16_t*>(out));
+}
+
+// A step of decode rows only, in one call: each row's key and value (k, v [rows, kv_heads,
+// head_dim], the model's dtype) written into the caches at slots [rows] (converted, or quantized
+// for an int8 cache, as the PyTorch path writes them), then kiln_paged_decode over them, its
+// ranges and work space chosen here. One call per layer where the Python side took about
+// fifteen tensor operations.
+void kiln_paged_decode_step(int dtype, int kv_dtype, const void* q, const void* k, const void* v,
+                            const int64_t* slots, void* k_cache, void* v_cache,
+                            const int32_t* tables, const int32_t* lens, void* out, int64_t rows,
+                            int64_t heads, int64_t kv_heads, int64_t head_dim, int64_t block_size,
+                            int64_t table_width, float scale, int threads) {
+  if (rows == 0) return;
+  if (dtype == 0)
+    write_step(kv_dtype, static_cast<const float*>(k), static_cast<const float*>(v), slots, rows,
+               kv_heads, head_dim, k_cache, v_cache);
+  else
+    write_step(kv_dtype, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), slots,
+               rows, kv_heads, head_dim, k_cache, v_cache);
+  const int64_t splits = decode_splits(lens, rows, threads);
+  // grown once to the largest step and kept: a fresh buffer would be a fresh page every call
+  thread_local std::vector<float> work;
+  const size_t need = static_cast<size_t>(rows * splits * (heads * head_dim + 2 * heads));
+  if (work.size() < need) work.resize(need);
+  kiln_paged_decode(dtype, kv_dtype, q, k_cache, v_cache, tables, lens, out, work.data(), rows,
+                    heads, kv_heads, head_dim, block_size, table_width, splits, scale, threads);
 }
 }
