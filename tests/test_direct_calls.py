@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.profiler import profile
 
+import kiln.layers.packed  # noqa: F401  (defines kiln::int4_or_dense_mm)
 from kiln.compiler.direct_calls import _ops, direct_call, extern_name, register_direct_calls
 from kiln.layers.cpu_int4_layout import cpu_pack
 

@@ -32,6 +32,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
     from kiln.attention.cpu_backend import cpu_paged_attention
     from kiln.attention.torch_backend import torch_paged_attention
     from kiln.layers.bf16_kernel import _pairs_linear
+    from kiln.layers.gated_deltanet import _gdn_core
     from kiln.layers.moe import _moe_experts
     from kiln.layers.packed import _int4_or_dense_mm, int4_matmul
     from kiln.layers.packed_experts import _moe_experts_int4
@@ -41,6 +42,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
         kiln.cpu_paged_attention.default: cpu_paged_attention,
         kiln.torch_paged_attention.default: torch_paged_attention,
         kiln.bf16_mm.default: _pairs_linear,
+        kiln.gdn_core.default: _gdn_core,
         kiln.moe_experts.default: _moe_experts,
         kiln.int4_mm.default: int4_matmul,
         kiln.int4_or_dense_mm.default: _int4_or_dense_mm,
