@@ -161,8 +161,8 @@ def _write(k_flat, v_flat, slot_mapping, k, v, keep: bool):
 
 def _decode_step(q, k, v, k_cache, v_cache, out, slot_mapping, tables, lens, scale) -> None:
     """Every row a decode row of the C++ kernel, then padding: the cache writes and the
-    attention in one call (the Python between them was a third of the op's time a layer at one
-    row), padding rows zeroed."""
+    attention in one call (the Python between them cost ~28 us a layer at one row, against
+    ~40 us of kernel over 1k keys), padding rows zeroed."""
     kernel = paged_decode_kernel()
     if kernel is None:  # the builder asks for it only once it is built
         raise RuntimeError("the CPU decode-attention kernel is not available")

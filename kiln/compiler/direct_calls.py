@@ -4,11 +4,11 @@ Inductor leaves a custom op it cannot see into as a fallback kernel, and its Pyt
 calls it as `torch.ops.kiln.<op>.default(...)`: through the dispatcher, which boxes every
 argument, finds the op's one kernel (each kiln op has a single Python implementation,
 registered as CompositeExplicitAutograd) and converts the arguments back to Python objects.
-That round trip cost 7-9 us a call on the AMD EPYC dev machine (benchmarks/op_call_cost.py), and
-a decode step of the embedded model makes 151 such calls (four linears and attention in each of
-30 layers, and the LM head). Registered here, the generated line becomes
-`extern_kernels.kiln_<op>(...)`: the same implementation with the same arguments, called as
-a Python function.
+That round trip cost 3-6 us a call more than the direct call on the AMD EPYC dev machine
+(benchmarks/op_call_cost.py), and a decode step of the embedded model makes 151 such calls (four
+linears and attention in each of 30 layers, and the LM head). Registered here, the generated
+line becomes `extern_kernels.kiln_<op>(...)`: the same implementation with the same arguments,
+called as a Python function.
 
 While torch's profiler runs, the call still goes through the dispatcher, so the profile names
 the op (benchmarks/decode_step.py attributes time by those names). Where the installed torch
