@@ -134,8 +134,12 @@ inline void tile_rows(const int32_t* table, int64_t t, int64_t n, int64_t block_
 }
 
 // Asks for the n cache rows (row_elems elements from each offset in rows) to be brought into
-// the cache: the value loop reads 8 rows side by side, a pattern the hardware prefetchers follow
-// less well than one row after another (from memory it waited on every block without this).
+// the cache. A tile's keys and values are asked for a phase ahead: each key's value row while
+// the key is scored, the next tile's key rows while this tile's values are added. That gave
+// the rows about a tile's time to arrive, where asking for values 8 keys ahead left the kernel
+// waiting on memory: 1.26-1.29x on SmolLM2's shapes with a bf16 cache (64 x 600, 16 x 600 and
+// 1 x 7000 keys; benchmarks/decode_kernel_ab.py --layers 30), 1.1-1.27x with int8, level on
+// Qwen3's longer rows.
 template <typename KV>
 inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t n, int64_t row_elems) {
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
@@ -150,6 +154,13 @@ struct Shape {
   float scale;
   int64_t head_stride;  // elements from one head row to the next: head_dim, + 4 for int8
 };
+
+// The value row at `row` asked for while its key is scored (prefetch_rows). Not for float32
+// rows, twice a bf16 row's bytes: asking for them measured 0.83x on Qwen3's shapes.
+template <typename KV>
+inline void prefetch_value_row(const KV* vc, const int64_t* row, const Shape& sh) {
+  if constexpr (!std::is_same_v<KV, float>) prefetch_rows(vc, row, 1, sh.kv_heads * sh.head_stride);
+}
 
 // q . k for a query of type Q: a bf16 query on bf16 keys may use bf16 dot products; a float32
 // query (a float32 model over a bf16 cache) keeps every bit, the keys widened as they load
@@ -193,14 +204,15 @@ inline void int8_dot_group(const int8_t* q, const int8_t* k, int64_t d, float* p
 // s[i * TILE + j] = scale * qs_i * ks_j * (q8_i . k_j) over the tile's n keys of an int8 cache.
 // Every sum is an integer below 2^24, so its float32 is exact and the vector and scalar loops
 // give the same scores.
-inline void score_tile_int8(const QuantizedQuery& qq, const int8_t* kc, const int64_t* rows,
-                            int64_t n, const Shape& sh, float* s) {
+inline void score_tile_int8(const QuantizedQuery& qq, const int8_t* kc, const int8_t* vc,
+                            const int64_t* rows, int64_t n, const Shape& sh, float* s) {
   const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, HS = sh.head_stride;
   alignas(64) float part[MAX_HEADS * 64];  // head i, key b: 8 lanes at (i * 8 + b) * 8
   alignas(32) float kscale[MAX_HEADS * 8];  // KV head h, key b
   int64_t j = 0;
   for (; j + 8 <= n; j += 8) {
     for (int b = 0; b < 8; ++b) {
+      prefetch_value_row(vc, rows + j + b, sh);
       const int8_t* row = kc + rows[j + b];
       for (int64_t h = 0; h < sh.kv_heads; ++h) {
         const int8_t* k = row + h * HS;
@@ -242,8 +254,8 @@ inline void score_tile_int8(const QuantizedQuery& qq, const int8_t* kc, const in
 // in `part`, and one transposing add tree then reduces a head's 8 keys together, where reducing
 // every key and head alone was most of the kernel's time on AVX2.
 template <typename Q, typename KV>
-inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const int64_t* rows,
-                       int64_t n, const Shape& sh, float* s) {
+inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const KV* vc,
+                       const int64_t* rows, int64_t n, const Shape& sh, float* s) {
   const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, HS = sh.head_stride;
   int64_t j = 0;
 #if defined(KILN_SIMD)
@@ -254,6 +266,7 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
     alignas(64) float part[MAX_HEADS * 8 * W];  // each head's 8 unreduced sums
     for (; j + 8 <= n; j += 8) {
       for (int b = 0; b < 8; ++b) {  // one key row after another, every head of it
+        prefetch_value_row(vc, rows + j + b, sh);
         const KV* row = kc + rows[j + b];
         for (int64_t i = 0; i < H; ++i) {
           // int8 rows widen as they load, for each query head: widening a KV head's row once
@@ -280,11 +293,13 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
     }
   }
 #endif
-  for (; j < n; ++j)
+  for (; j < n; ++j) {
+    prefetch_value_row(vc, rows + j, sh);
     for (int64_t i = 0; i < H; ++i) {
       const KV* k = kc + rows[j] + (i / G) * HS;
       s[i * TILE + j] = sh.scale * row_scale(k, D) * query_dot<Q>(qf + i * D, qb + i * D, k, D);
     }
+  }
 }
 
 #if defined(KILN_SIMD)
@@ -309,17 +324,17 @@ inline void add_keys(const float* p, float* acc, const KV* const* v, int64_t d) 
 
 // acc[i] += sum_j p[i * TILE + j] * v_j (v_j the value row of head i's KV head) over the tile's
 // n keys. With vectors and a bf16 cache, 8 keys at a time, heads in register groups of up to 4,
-// the next 8 rows prefetched; float32 rows (twice as long) one key at a time, as that streamed
-// faster from memory (benchmarks/decode_kernel_ab.py --layers 30).
+// the next tile's key rows asked for (rows[n, known)); float32 rows (twice as long) one key at
+// a time, as that streamed faster from memory (benchmarks/decode_kernel_ab.py --layers 30).
 template <typename KV>
-inline void add_tile(const float* p, float* acc, const KV* vc, const int64_t* rows, int64_t n,
-                     int64_t known, const Shape& sh) {
+inline void add_tile(const float* p, float* acc, const KV* kc, const KV* vc, const int64_t* rows,
+                     int64_t n, int64_t known, const Shape& sh) {
   const int64_t D = sh.head_dim, G = sh.heads / sh.kv_heads, HS = sh.head_stride;
   int64_t j = 0;
 #if defined(KILN_SIMD)
   if (!std::is_same_v<KV, float> && D % W == 0) {
     for (; j + 8 <= n; j += 8) {
-      prefetch_rows(vc, rows + j + 8, std::min<int64_t>(8, known - j - 8), sh.kv_heads * HS);
+      prefetch_rows(kc, rows + n + j, std::min<int64_t>(8, known - n - j), sh.kv_heads * HS);
       for (int64_t h = 0; h < sh.kv_heads; ++h) {
         const KV* v[8];
         for (int b = 0; b < 8; ++b) v[b] = vc + rows[j + b] + h * HS;
@@ -378,9 +393,9 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
     bool scored = false;
 #if defined(KILN_INT8_DOTS)
     if constexpr (std::is_same_v<KV, int8_t>)
-      if (by_int8) score_tile_int8(qq, kc, rows, n, sh, s), scored = true;
+      if (by_int8) score_tile_int8(qq, kc, vc, rows, n, sh, s), scored = true;
 #endif
-    if (!scored) score_tile<Q>(qf, qb, kc, rows, n, sh, s);
+    if (!scored) score_tile<Q>(qf, qb, kc, vc, rows, n, sh, s);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);
@@ -390,7 +405,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
       if (correction != 1.f)
         for (int64_t k = 0; k < D; ++k) acc[i * D + k] *= correction;
     }
-    add_tile(s, acc, vc, rows, n, n + n_next, sh);
+    add_tile(s, acc, kc, vc, rows, n, n + n_next, sh);
     std::copy(rows + n, rows + n + n_next, rows);
   }
 }
