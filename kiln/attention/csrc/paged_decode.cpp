@@ -137,9 +137,9 @@ inline void tile_rows(const int32_t* table, int64_t t, int64_t n, int64_t block_
 // the cache. A tile's keys and values are asked for a phase ahead: each key's value row while
 // the key is scored, the next tile's key rows while this tile's values are added. That gave
 // the rows about a tile's time to arrive, where asking for values 8 keys ahead left the kernel
-// waiting on memory: 1.26-1.29x on SmolLM2's shapes with a bf16 cache (64 x 600, 16 x 600 and
-// 1 x 7000 keys; benchmarks/decode_kernel_ab.py --layers 30), 1.1-1.27x with int8, level on
-// Qwen3's longer rows.
+// waiting on memory: 1.19-1.38x on SmolLM2's shapes with a bf16 cache (1 to 64 rows, 600 to
+// 16k keys; benchmarks/decode_kernel_ab.py --layers 30), 1.03-1.07x on Qwen3's longer rows,
+// 1.05-1.26x with an int8 cache.
 template <typename KV>
 inline void prefetch_rows(const KV* base, const int64_t* rows, int64_t n, int64_t row_elems) {
   const int64_t bytes = row_elems * static_cast<int64_t>(sizeof(KV));
