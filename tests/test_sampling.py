@@ -11,7 +11,15 @@ import pytest
 import torch
 
 from kiln import SamplingParams
-from kiln.runner.sampler import SamplingBatch, apply_penalties, draw, filter_logits, sample
+from kiln.runner.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    draw,
+    filter_logits,
+    greedy_tokens,
+    sample,
+    shape_logits,
+)
 from tests.helpers import load_benchmark, make_engine, run_schedule
 
 PROBS = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05])
@@ -148,6 +156,36 @@ def test_min_tokens_masks_eos():
     logits = torch.tensor([[0.0, 0.0, 9.0, 8.0, 1.0]])
     out = sample(logits, batch, frozenset({2}), torch.Generator())
     assert out.token_ids == [4]  # EOS (2) and the stop token (3) are banned until 3 tokens
+
+
+def test_greedy_tokens_is_argmax_with_its_ties_and_nans():
+    """The first of tied maxima and a NaN's index, as torch.argmax picks them."""
+    gen = torch.Generator().manual_seed(0)
+    for rows, vocab in [(1, 49152), (64, 49152), (7, 33)]:
+        x = torch.randint(0, 3, (rows, vocab), generator=gen).float()  # many ties
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        x[0, vocab // 2] = float("nan")
+        x[-1, :] = float("-inf")
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+
+
+def test_shape_logits_copies_only_when_it_changes_something():
+    """Unshaped rows come back as the raw logits themselves; logit_bias, min_tokens and
+    penalties work on a copy and leave the raw logits (the logprobs' source) unchanged."""
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 1.0, 2.0, 3.0]])
+    plain = SamplingBatch.build([_seq(SamplingParams(temperature=0))] * 2, 4, torch.device("cpu"))
+    assert shape_logits(logits, plain, frozenset({3})) is logits
+    raw = logits.clone()
+    for params in [
+        SamplingParams(temperature=0, logit_bias={1: 5}),
+        SamplingParams(temperature=0, min_tokens=5),
+        SamplingParams(temperature=0, repetition_penalty=2.0),
+    ]:
+        seqs = [_seq(SamplingParams(temperature=0)), _seq(params)]
+        batch = SamplingBatch.build(seqs, 4, torch.device("cpu"))
+        shaped = shape_logits(logits, batch, frozenset({3}))
+        assert shaped is not logits and not torch.equal(shaped, raw)
+        assert torch.equal(logits, raw)
 
 
 # ---- through the engine ------------------------------------------------------------------

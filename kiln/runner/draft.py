@@ -21,6 +21,7 @@ from kiln.runner.sampler import (
     SamplingBatch,
     SequenceView,
     draw,
+    greedy_tokens,
     sampled_rows,
     sampling_probs,
     shape_logits,
@@ -149,7 +150,7 @@ def draw_drafts(
     vocab = logits.shape[1]
     batch = SamplingBatch.build(views, vocab, logits.device)  # type: ignore[arg-type]
     shaped = shape_logits(logits, batch, eos)
-    tokens = shaped.argmax(-1)
+    tokens = greedy_tokens(shaped)
     q: list[torch.Tensor | None] = [None] * len(views)
     rows = sampled_rows(batch)
     if rows:

@@ -250,12 +250,26 @@ def _uniforms(probs: torch.Tensor, seqs: list, gen: torch.Generator) -> torch.Te
 
 
 def shape_logits(logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int]) -> torch.Tensor:
-    """Penalties, logit_bias and min_tokens applied to a copy of the raw logits."""
+    """Penalties, logit_bias and min_tokens applied to a copy of the raw logits; the raw logits
+    themselves where no row has any (every caller only reads the result: a copy of 64 rows of
+    SmolLM2's vocabulary was ~5 ms of a 64-stream decode step, its memory cold)."""
     seqs = batch.seqs
+    if batch.penalties is None and not any(_shaped(s) for s in seqs):
+        return logits
     logits = apply_penalties(logits, batch) if batch.penalties is not None else logits.clone()
     add_logit_bias(logits, seqs)
     mask_min_tokens(logits, seqs, eos)
     return logits
+
+
+def _shaped(seq: Sequence) -> bool:
+    return bool(seq.params.logit_bias) or seq.num_output_tokens < seq.params.min_tokens
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax (the first of tied maxima, NaN counted as largest, as torch.argmax):
+    torch.max's indices, which PyTorch's CPU kernel finds 1.5-3x faster than argmax's."""
+    return logits.max(-1).indices
 
 
 def sampled_rows(batch: SamplingBatch) -> list[int]:
@@ -311,10 +325,10 @@ def sample(
     shaped = shape_logits(logits, batch, eos)
     rows = sampled_rows(batch)
     if not rows:
-        return SamplerOutput(shaped.argmax(-1).tolist(), raw_logprobs)
+        return SamplerOutput(greedy_tokens(shaped).tolist(), raw_logprobs)
     drawn = draw(sampling_probs(shaped, batch, rows), [seqs[i] for i in rows], generator)
     if len(rows) == len(seqs):
         return SamplerOutput(drawn.tolist(), raw_logprobs)
-    tokens = shaped.argmax(-1)
+    tokens = greedy_tokens(shaped)
     tokens[rows] = drawn
     return SamplerOutput(tokens.tolist(), raw_logprobs)

@@ -21,6 +21,7 @@ from kiln.runner.sampler import (
     SamplingBatch,
     SequenceView,
     draw,
+    greedy_tokens,
     sampled_rows,
     sampling_probs,
     shape_logits,
@@ -69,7 +70,7 @@ def verify(
     want_logprobs = any(s.params.logprobs is not None for s in seqs)
     raw_logprobs = logits.log_softmax(-1) if want_logprobs else None
     shaped = shape_logits(logits, batch, eos)
-    argmax = shaped.argmax(-1).tolist()
+    argmax = greedy_tokens(shaped).tolist()
     rows = sampled_rows(batch)
     probs = sampling_probs(shaped, batch, rows) if rows else None
     row_of_prob = {row: i for i, row in enumerate(rows)}
