@@ -26,6 +26,7 @@ def _build(build: str):
             assert kernel is None  # oneDNN keeps the linears on CPUs without AVX512-BF16
             pytest.skip("this CPU has no AVX512-BF16")
         assert kernel is not None and kernel.vectorized
+        assert kernel.amx == HAS_AMX  # Linux grants the tiles wherever the CPU has them
         return kernel
     generic = tuple(f for f in native.FLAGS if f != "-march=native")
     kernel = bf16_kernel.load_bf16_matmul(generic)
@@ -42,15 +43,16 @@ def _by_hand(x, w, bias):
 
 @pytest.mark.parametrize("build", ["native", "portable"])
 def test_the_kernel_matches_a_product_by_hand(build):
-    """Rows 1 to 33 (tiles of 8 and their remainders), columns that fill 3 vectors and ragged
-    ones (1, 37, 200: the last vector masked), k from one pair to 578, with and without a bias,
-    1 and 3 threads."""
+    """Rows 1 to 33 (tiles of 8 and their remainders; on AMX, one or two blocks of 16 rows and
+    short ones), columns that fill 3 vectors and ragged ones (1, 37, 200: the last vector
+    masked), k from one pair to 578 (multiples of 32 on AMX tiles, the rest on vectors), with
+    and without a bias, 1 and 3 threads."""
     kernel = _build(build)
     g = torch.Generator().manual_seed(0)
-    for n, k in [(48, 64), (1, 2), (37, 578), (200, 96), (16, 130)]:
+    for n, k in [(48, 64), (1, 2), (37, 578), (200, 96), (16, 130), (33, 576)]:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         packed = pack_pairs(w)
-        for rows in (1, 5, 8, 9, 17, 33):
+        for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33):
             for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
                 want, tolerance = _by_hand(x, w, bias)
@@ -107,7 +109,8 @@ def test_a_bf16_linear_runs_on_the_kernel_and_on_onednn_alike(bias):
     layer = _linear(40, 64, bias)
     w, b = layer.weight.detach().clone(), None if layer.bias is None else layer.bias.clone()
     layer.finalize(torch.device("cpu"))
-    kernel_runs = bf16_kernel.bf16_matmul_kernel() is not None and not HAS_AMX
+    kernel = bf16_kernel.bf16_matmul_kernel()
+    kernel_runs = kernel is not None and (kernel.amx or not HAS_AMX)
     assert layer.layout == ("pairs" if kernel_runs else FALLBACK)
     x = torch.randn(2, 3, 64).bfloat16()
     want, tolerance = _by_hand(x.view(6, 64), w, b)
@@ -136,13 +139,23 @@ def test_sizes_that_do_not_fit_are_refused_before_the_kernel_reads_them():
             kernel.matmul(rows, w, n, bias)
 
 
-def test_a_cpu_with_amx_keeps_onednn(monkeypatch):
-    """oneDNN runs bf16 on AMX's tiles, which kiln's kernel does not use: such CPUs keep it."""
+def test_a_cpu_with_amx_takes_the_kernel_only_with_its_tiles(monkeypatch):
+    """On a CPU with AMX the kernel takes the linears where it multiplies on the tiles; where
+    Linux refused them, oneDNN's AMX path (faster than the vector path from a few rows) keeps
+    them, and the boot log says why."""
+    import dataclasses
+
+    real = bf16_kernel.bf16_matmul_kernel()
+    if real is None:
+        pytest.skip("this CPU has no AVX512-BF16")
     monkeypatch.setattr(bf16_kernel, "has_amx", lambda: True)
-    layer = _linear(32, 64, bias=False)
-    layer.finalize(torch.device("cpu"))
-    assert layer.layout == FALLBACK
-    assert "AMX" in bf16_kernel.describe_bf16_kernel()
+    for amx, layout in [(True, "pairs"), (False, FALLBACK)]:
+        kernel = dataclasses.replace(real, amx=amx)
+        monkeypatch.setattr(bf16_kernel, "bf16_matmul_kernel", lambda k=kernel: k)
+        layer = _linear(32, 64, bias=False)
+        layer.finalize(torch.device("cpu"))
+        assert layer.layout == layout
+        assert "AMX" in bf16_kernel.describe_bf16_kernel()
 
 
 def test_a_float32_linear_stays_on_onednn():
@@ -152,13 +165,15 @@ def test_a_float32_linear_stays_on_onednn():
     assert layer.layout == "onednn"
 
 
-@pytest.mark.skipif(not HAS_BF16 or HAS_AMX, reason="kiln's bf16 kernel does not run on this CPU")
 def test_the_engine_runs_its_bf16_linears_on_the_kernel_or_on_onednn(tiny_models):
     """A bf16 engine on a tiny model: every linear and the tied head on the kernel by default,
     none with --cpu-linears onednn, and the two engines' logits agree within bf16's rounding
     of the hidden states (the same greedy tokens)."""
     from kiln import SamplingParams
     from tests.helpers import make_engine, run_schedule
+
+    if not bf16_kernel.kernel_runs_here():
+        pytest.skip("kiln's bf16 kernel does not run on this CPU")
 
     results = {}
     for policy in ("auto", "onednn"):

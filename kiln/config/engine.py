@@ -211,7 +211,8 @@ class EngineConfig:
         metadata=option(
             str,
             "bf16 linears on the CPU: auto (default) runs them on kiln's C++ kernel where the "
-            "CPU has AVX512-BF16 and no AMX, else on oneDNN (BLAS where oneDNN has no bf16); "
+            "CPU has AVX512-BF16 (on AMX tiles where it has them), else on oneDNN (BLAS where "
+            "oneDNN has no bf16); "
             "onednn: as where the kernel does not run",
             choices=("auto", "onednn"),
         ),

@@ -4,9 +4,11 @@ along its input dimension, the layout AVX512-BF16's pair products read, built at
 
 On CPUs with AVX512-BF16 it runs every bf16 linear of a model in place of oneDNN's: 1.2-2x
 oneDNN's speed up to 64 rows (the rows of decode steps) and level with it at 528 (a prefill
-chunk), measured on an AMD EPYC (docs/performance.md, "A bf16 kernel for the linears").
-Elsewhere oneDNN keeps them, and so does a CPU with AMX, whose tile units oneDNN uses for bf16
-and this kernel does not (not measured here: no AMX machine). The portable build is the
+chunk), measured on an AMD EPYC (docs/performance.md, "A bf16 kernel for the linears"). On a
+CPU with AMX its batches of 2 rows and more run on AMX tiles, from the same packed weight:
+1.4-1.5x oneDNN's own AMX path at 1 to 64 rows and 1.05x at 512 on a 2-core Xeon
+(docs/performance.md, "The bf16 kernel on AMX tiles"). Where the kernel cannot use the tiles
+(Linux refused them) on an AMX CPU, oneDNN keeps the linears. The portable build is the
 reference the tests hold the vector build to, never the engine's path."""
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Bf16MatmulKernel:
 
     library: ctypes.CDLL
     vectorized: bool  # AVX512-BF16; else the portable loops
+    amx: bool = False  # batches of 2+ rows on AMX tiles
 
     def matmul(
         self, rows: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None
@@ -72,15 +75,22 @@ def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def pairs_runs(weight: torch.Tensor) -> bool:
     """Whether the engine runs `weight` ([N, K] on the CPU) on kiln's kernel: bf16, K even, a
-    kernel built with AVX512-BF16 on this machine, and no AMX (oneDNN's bf16 path there)."""
+    kernel built with AVX512-BF16 on this machine, which on a CPU with AMX uses its tiles
+    (else oneDNN's AMX path is faster)."""
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
-        and not has_amx()
-        and bf16_matmul_kernel() is not None
+        and kernel_runs_here()
     )
+
+
+def kernel_runs_here() -> bool:
+    """Whether kiln's kernel takes this CPU's bf16 linears (AVX512-BF16, and AMX tiles where
+    the CPU has them)."""
+    kernel = bf16_matmul_kernel()
+    return kernel is not None and (kernel.amx or not has_amx())
 
 
 @functools.cache
@@ -125,16 +135,22 @@ def load_bf16_matmul(flags: tuple[str, ...]) -> Bf16MatmulKernel:
     library.kiln_bf16_mm_isa.restype = ctypes.c_int
     library.kiln_bf16_mm.restype = None
     library.kiln_bf16_mm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
-    return Bf16MatmulKernel(library, library.kiln_bf16_mm_isa() == 1)
+    amx = getattr(library, "kiln_bf16_mm_amx", None)  # None: a source from before it (an A/B)
+    if amx is not None:
+        amx.restype = ctypes.c_int
+    return Bf16MatmulKernel(library, library.kiln_bf16_mm_isa() == 1, bool(amx and amx()))
 
 
 def describe_bf16_kernel(fallback: str = "oneDNN") -> str:
     """What multiplies the bf16 linears on this CPU under `--cpu-linears auto`, for the boot
     log; `fallback` names what runs them where kiln's kernel does not."""
-    if has_amx():
-        return f"{fallback} (this CPU has AMX, which oneDNN uses)"
-    if bf16_matmul_kernel() is None:
+    kernel = bf16_matmul_kernel()
+    if kernel is None:
         return f"{fallback} (kiln's bf16 kernel needs AVX512-BF16 and a C++ compiler)"
+    if kernel.amx:
+        return "kiln's C++ kernel: AMX tiles from 2 rows, AVX512-BF16 for one"
+    if has_amx():
+        return f"{fallback} (this CPU has AMX, and Linux refused its tiles to kiln's kernel)"
     return "kiln's C++ kernel built with AVX512-BF16"
 
 

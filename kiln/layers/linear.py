@@ -3,10 +3,10 @@ arrives 4-bit (`QuantizedTensor`: GGUF Q4/Q8, GPTQ, AutoRound) is kept packed wh
 the layer is and a kernel runs it (kiln/layers/packed.py), else dequantized into the dense weight.
 
 After loading, `finalize` picks the layout the device runs fastest. On the CPU a bf16 weight
-on a CPU with AVX512-BF16 (and no AMX) is packed in pairs for kiln's own kernel
+on a CPU with AVX512-BF16 is packed in pairs for kiln's own kernel
 (kiln/layers/bf16_kernel.py): 1.2-2x oneDNN at decode steps' few rows, level at a prefill
-chunk's (docs/performance.md, "A bf16 kernel for the linears"); `--cpu-linears onednn` keeps
-oneDNN.
+chunk's (docs/performance.md, "A bf16 kernel for the linears"), and on AMX tiles where the CPU
+has them, 1.05-1.5x oneDNN's AMX path; `--cpu-linears onednn` keeps oneDNN.
 Other weights take oneDNN's prepacked layout (the one Inductor's weight freezing uses), faster
 than BLAS at every batch size measured (docs/performance.md, "Why the CPU kernels are what they
 are"). Without oneDNN the weight is stored transposed ([in, out]), which BLAS streams faster than

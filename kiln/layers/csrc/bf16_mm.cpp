@@ -1,4 +1,4 @@
-// Rows times a bfloat16 weight on CPUs with AVX512-BF16, for the small batches of decode steps.
+// Rows times a bfloat16 weight on CPUs with AVX512-BF16, and on AMX tiles where the CPU has them.
 //
 // The weight is packed once at load in pairs along k ([ceil(n/16), k/2, 16, 2]: for each 16
 // output columns and each pair of input columns, one 64-byte vector), the layout the
@@ -10,7 +10,9 @@
 //
 // Why a kernel of kiln's own: oneDNN's bf16 linear runs a 16-row batch at about 40% of these
 // cores' vdpbf16ps peak and a single row at half the memory's bandwidth (docs/performance.md,
-// "A bf16 kernel for the linears"); a decode step is linears over a few rows.
+// "A bf16 kernel for the linears"); a decode step is linears over a few rows. On a CPU with AMX
+// the same packed weight feeds tile products from 2 rows up (amx_matmul): 1.4-1.5x oneDNN's
+// AMX path at 1 to 64 rows on a 2-core Xeon, 1.05x at 512.
 //
 // Built at first use by kiln/layers/bf16_kernel.py with the machine's compiler (-O3
 // -march=native -fopenmp). Without AVX512-BF16 the portable loops compute the same sums (the
@@ -23,6 +25,11 @@
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
 #define KILN_BF16_SIMD 1
+#endif
+#if defined(KILN_BF16_SIMD) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KILN_BF16_AMX 1
 #endif
 
 namespace {
@@ -109,7 +116,140 @@ void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t ve
               const uint16_t* next, int64_t next_vectors) {
   run_tile_rows<ROWS>(p, m0, rows, v0, vectors, next, next_vectors);
 }
-#else
+#endif
+
+#ifdef KILN_BF16_AMX
+// Batches of AMX_MIN_ROWS rows and more on AMX tiles (Intel's matrix unit, Sapphire Rapids and
+// later). The packed weight is already the layout a tile product's right-hand operand takes:
+// 16 pairs along k by 16 columns, 64 bytes a row, so a tile of it is 16 consecutive vectors of
+// one column block, loaded as they lie. One tdpbf16ps multiplies 16 rows by 32 of k by 16
+// columns (8,192 pair products, each exact, summed in float32 as vdpbf16ps sums them, in
+// another order). From 2 rows the tiles stream the weight at the memory's speed where the
+// vector path's time grows with the rows (8.3 against 10.3 ms for 30 layers of SmolLM2's
+// linears at 4 rows, 8.6 against 15.6 at 8: benchmarks/bf16_linears.py).
+constexpr int64_t AMX_MIN_ROWS = 2;  // one row: the vector path, as fast (memory-bound)
+constexpr int64_t AMX_ROW_BLOCKS = 2;  // a work item: 2 x 16 rows by 2 x 16 columns, 4 sums
+constexpr int64_t AMX_VECTORS = 2;
+
+// Linux gives a process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); where it refuses, the vector path runs every batch
+bool amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: sums (rows x 16 float32), 4-5: row blocks (rows x 32 bf16 of k), 6-7: the weight
+// (16 pairs x 16 columns); `rows` in the last row block of a batch may be under 16
+void amx_configure(int64_t rows) {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = static_cast<uint8_t>(t >= 6 ? 16 : rows);
+    cfg.colsb[t] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// The sums in `c` (rows x 16 float32) plus the bias, rounded to bf16 into columns n0.. of out
+void amx_store(const Problem& p, const float* c, int64_t m0, int64_t rows, int64_t n0) {
+  const int64_t valid = p.n - n0 < 16 ? p.n - n0 : 16;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  __m512 bias = _mm512_setzero_ps();
+  if (p.bias) {
+    const __m256i b = _mm256_maskz_loadu_epi16(mask, p.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * 16), bias));
+    _mm256_mask_storeu_epi16(p.out + (m0 + r) * p.n + n0, mask, (__m256i)y);
+  }
+}
+
+// Rows m0.. (two blocks of up to 16, `blocks` of them) by vectors v0, v0 + 1 over all of k.
+// Tile numbers are instruction immediates, hence the unrolled blocks.
+void amx_item(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t vectors) {
+  const int64_t pairs = p.k / 2, stride = p.k * 2;
+  const uint16_t* x0 = p.x + m0 * p.k;
+  const uint16_t* x1 = x0 + 16 * p.k;
+  const uint16_t* w0 = p.packed + v0 * pairs * 32;
+  const uint16_t* w1 = vectors > 1 ? w0 + pairs * 32 : w0;
+  const bool two = rows > 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t kc = 0; kc < p.k; kc += 32) {
+    const int64_t q = kc / 2;  // pairs before this chunk
+    _tile_loadd(6, w0 + q * 32, 64);
+    _tile_loadd(7, w1 + q * 32, 64);
+    _tile_loadd(4, x0 + kc, stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    if (two) {
+      _tile_loadd(5, x1 + kc, stride);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  alignas(64) float c[16 * 16];
+  const int64_t first = two ? 16 : rows;
+  _tile_stored(0, c, 64);
+  amx_store(p, c, m0, first, v0 * 16);
+  if (vectors > 1) {
+    _tile_stored(1, c, 64);
+    amx_store(p, c, m0, first, (v0 + 1) * 16);
+  }
+  if (two) {
+    _tile_stored(2, c, 64);
+    amx_store(p, c, m0 + 16, rows - 16, v0 * 16);
+    if (vectors > 1) {
+      _tile_stored(3, c, 64);
+      amx_store(p, c, m0 + 16, rows - 16, (v0 + 1) * 16);
+    }
+  }
+}
+
+bool amx_runs(const Problem& p) { return p.m >= AMX_MIN_ROWS && p.k % 32 == 0 && amx_permitted(); }
+
+// Work items column-major, as the vector path's: a thread's items share their weight columns
+// across the row tiles. A thread configures its tiles for full blocks, and again for a batch's
+// last block where it is short.
+void amx_matmul(const Problem& p, int threads) {
+  constexpr int64_t ROWS_PER_ITEM = 16 * AMX_ROW_BLOCKS;
+  const int64_t vectors = (p.n + 15) / 16, column_tiles = (vectors + AMX_VECTORS - 1) / AMX_VECTORS;
+  const int64_t row_tiles = (p.m + ROWS_PER_ITEM - 1) / ROWS_PER_ITEM;
+  const int64_t items = column_tiles * row_tiles;
+#pragma omp parallel num_threads(threads)
+  {
+    int64_t configured = 0;  // the rows this thread's tiles are configured for
+    const auto run = [&](int64_t m0, int64_t rows, int64_t v0, int64_t vectors) {
+      const int64_t block = rows < 16 ? rows : 16;
+      if (configured != block) amx_configure(block), configured = block;
+      amx_item(p, m0, rows, v0, vectors);
+    };
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t v0 = (item / row_tiles) * AMX_VECTORS, m0 = (item % row_tiles) * ROWS_PER_ITEM;
+      const int64_t rows = p.m - m0 < ROWS_PER_ITEM ? p.m - m0 : ROWS_PER_ITEM;
+      const int64_t vs = vectors - v0 < AMX_VECTORS ? vectors - v0 : AMX_VECTORS;
+      if (rows > 16 && rows < 32) {  // blocks of 16 and fewer rows: one configuration each
+        run(m0, 16, v0, vs);
+        run(m0 + 16, rows - 16, v0, vs);
+      } else {
+        run(m0, rows, v0, vs);
+      }
+    }
+    if (configured) _tile_release();
+  }
+}
+#endif
+
+#ifndef KILN_BF16_SIMD
 // The same sums in scalar code: each pair's two products are exact in float32 and are added to
 // the column's sum one after the other (Intel documents the odd one first; g++ 12 at -O3 gave
 // wrong sums for that order here, errors of the values' size, so the even one goes first: a
@@ -137,6 +277,16 @@ void run_tile(const Problem& p, int64_t m0, int64_t rows, int64_t v0, int64_t ve
 
 extern "C" {
 
+// 1 where batches of AMX_MIN_ROWS rows and more run on AMX tiles (built with AMX, and Linux
+// gave this process the tile registers), else 0.
+int kiln_bf16_mm_amx() {
+#ifdef KILN_BF16_AMX
+  return amx_permitted() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
+
 // 1 where this build multiplies with AVX512-BF16, 0 for the portable loops.
 int kiln_bf16_mm_isa() {
 #ifdef KILN_BF16_SIMD
@@ -152,6 +302,9 @@ int kiln_bf16_mm_isa() {
 void kiln_bf16_mm(const uint16_t* x, int64_t m, int64_t k, const uint16_t* packed, int64_t n,
                   const uint16_t* bias, uint16_t* out, int threads) {
   const Problem p{x, m, k, packed, n, bias, out};
+#ifdef KILN_BF16_AMX
+  if (amx_runs(p)) return amx_matmul(p, threads);
+#endif
   const int64_t vectors = (n + 15) / 16, column_tiles = (vectors + VECTORS - 1) / VECTORS;
   const int64_t row_tiles = (m + ROWS - 1) / ROWS, items = column_tiles * row_tiles;
 #pragma omp parallel for num_threads(threads) schedule(static)
