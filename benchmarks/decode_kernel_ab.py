@@ -8,7 +8,11 @@ them: the context then comes from memory, where one layer's cache alone may sit 
     mkdir -p /tmp/before && git archive HEAD~1 kiln/attention/csrc | tar -x -C /tmp/before
     python benchmarks/decode_kernel_ab.py /tmp/before/kiln/attention/csrc/paged_decode.cpp \
         kiln/attention/csrc/paged_decode.cpp    # the whole directory: the headers it includes
-    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30"""
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --dtypes bf16 --prefill 512x512 4x512
+
+`--prefill TOKENSxCONTEXT` times the prefill kernel (prefill.h, in the same library) instead:
+four requests, each a chunk of TOKENS query tokens ending at CONTEXT keys."""
 
 from __future__ import annotations
 
@@ -64,6 +68,28 @@ def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layer
     return ms, (outs[0].float() - outs[1].float()).abs().max().item()
 
 
+def compare_prefill(kernels, shape, dtypes, tokens: int, context: int, repeats: int):
+    """(ms per call of each kernel, max |difference|) for four requests, each a chunk of
+    `tokens` query tokens at the end of its `context` keys, blocks in order."""
+    heads, kv_heads, dim = shape
+    reqs = 4
+    per = -(-context // BLOCK)
+    cache = _cache(torch.randn(2, reqs * per + 1, BLOCK, kv_heads, dim), dtypes[1])
+    tables = torch.arange(1, reqs * per + 1, dtype=torch.int32).view(reqs, -1).contiguous()
+    starts = torch.arange(reqs + 1, dtype=torch.int32) * tokens
+    lens = torch.full((reqs,), context, dtype=torch.int32)
+    q = torch.randn(reqs * tokens, heads, dim).to(dtypes[0])
+    outs = [torch.empty_like(q) for _ in kernels]
+    times: list[list[float]] = [[] for _ in kernels]
+    for _ in range(repeats + 2):
+        for kernel, out, spent in zip(kernels, outs, times):
+            t0 = time.perf_counter()
+            kernel.prefill(q, cache[0], cache[1], tables, starts, lens, out, dim**-0.5)
+            spent.append(time.perf_counter() - t0)
+    ms = [statistics.median(t[2:]) * 1e3 for t in times]
+    return ms, (outs[0].float() - outs[1].float()).abs().max().item()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("before", type=Path)
@@ -73,8 +99,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=1, help="caches read in turn (cold)")
     parser.add_argument("--cases", nargs="+", help="ROWSxCONTEXT, e.g. 1x7000 64x512")
+    parser.add_argument("--prefill", nargs="+", help="TOKENSxCONTEXT: the prefill kernel")
     args = parser.parse_args()
     kernels = [load(args.before), load(args.after)]
+    if args.prefill:
+        return prefill_table(kernels, args)
     cases = [tuple(map(int, c.split("x"))) for c in args.cases] if args.cases else CASES
     torch.manual_seed(0)
     print("| shape | q / cache | rows x context | before ms | after ms | speed-up | max diff |")
@@ -85,6 +114,19 @@ def main() -> None:
                 (a, b), diff = compare(kernels, SHAPES[name], DTYPES[kind], rows, context,
                                        args.repeats, args.layers)  # fmt: skip
                 print(f"| {name} | {kind} | {rows} x {context} | {a:.3f} | {b:.3f} | "
+                      f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
+
+
+def prefill_table(kernels, args) -> None:
+    print("| shape | q / cache | tokens x context | before ms | after ms | speed-up | max diff |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    torch.manual_seed(0)
+    for name in args.shapes:
+        for kind in args.dtypes:
+            for tokens, context in (tuple(map(int, c.split("x"))) for c in args.prefill):
+                (a, b), diff = compare_prefill(kernels, SHAPES[name], DTYPES[kind], tokens,
+                                               context, args.repeats)  # fmt: skip
+                print(f"| {name} | {kind} | {tokens} x {context} | {a:.3f} | {b:.3f} | "
                       f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
 
 

@@ -401,11 +401,13 @@ def _queries_as_scored(kernel, q: torch.Tensor, kv_dtype: torch.dtype) -> torch.
     return q
 
 
-def _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g):
-    """Block tables of requests with `lens` keys over a random permutation of the blocks, and
-    random caches of `kv_dtype` (K and V stacked) that hold them."""
+def _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g, in_order=False):
+    """Block tables of requests with `lens` keys over a random permutation of the blocks (or
+    the blocks in order), and random caches of `kv_dtype` (K and V stacked) that hold them."""
     need = [-(-n // block_size) for n in lens]
     order = torch.randperm(sum(need), generator=g).int()
+    if in_order:
+        order = torch.arange(sum(need), dtype=torch.int32)
     tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
     for row, table in enumerate(order.split(need)):
         tables[row, : len(table)] = table
@@ -440,6 +442,9 @@ def _kernel_build(build: str):
     assert kernel.int8_queries(64) == vnni and not kernel.int8_queries(48)
     # prefill chunks where the build has vectors and the head dim is a multiple of 8
     assert kernel.prefill_supported(64) == (isa > 0) and not kernel.prefill_supported(12)
+    # bf16 chunks by AMX tile products in a native build on a CPU with AMX, head dims % 32
+    amx = build == "native" and "amx_bf16" in cpu_flags
+    assert kernel.prefill_amx(64) == amx and not kernel.prefill_amx(48)
     return kernel
 
 
@@ -479,7 +484,8 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     "shape", [(9, 3, 64), (16, 8, 128), (12, 2, 32), (6, 6, 16), (4, 1, 24)], ids=str
 )
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2"])
-def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threads):
+@pytest.mark.parametrize("blocks", ["fragmented", "in order"])
+def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threads, blocks):
     """Prefill chunks of 70, 33, 1, 16 and 40 tokens after 0, 45, 300, 16 and 14 cached keys,
     in one call, over fragmented blocks of 16: groups of 16 rows (8 on AVX2) of (token, query
     head) that end mid-chunk, key tiles across the causal diagonal and ending mid-tile, a group
@@ -488,14 +494,18 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threa
     9/3 x 64, Qwen3's 16/8 x 128) and one not a multiple of 16 (24: the widening loops' tails);
     one thread (work items of several groups sharing each tile) and 16 (one group each);
     float32, bf16, and queries over a bf16 or an int8 cache, against float64 by hand over what
-    the cache holds."""
+    the cache holds. Blocks in order too: on a CPU with AMX, bf16 over bf16 takes tile products
+    that read a tile's 16 keys in place where they lie evenly apart, and a copy of them where
+    not (fragmented blocks, a tile's last keys)."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
     dtype, kv_dtype = _kernel_types(dtype)
     g = torch.Generator().manual_seed(5)
     tokens, cached, block_size = [70, 33, 1, 16, 40], [0, 45, 300, 16, 14], 16
     lens = [c + n for c, n in zip(cached, tokens)]
-    tables, caches = _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g)
+    tables, caches = _fragmented_caches(
+        lens, block_size, kv_heads, dim, kv_dtype, g, in_order=blocks == "in order"
+    )
     q = torch.randn(sum(tokens), heads, dim, generator=g).to(dtype)
     starts = torch.tensor([0, *np.cumsum(tokens)], dtype=torch.int32)
     out = torch.full_like(q, float("nan"))
@@ -532,6 +542,7 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     """`--attention-backend cpu-flash` keeps every row on the flash-kernel paths (the way back
     if the kernel misbehaves, and the A/B of the benchmarks); `cpu` takes the kernel where it
     was built with AVX2 or AVX-512."""
+    from kiln import native
     from kiln.attention import cpu_kernel
     from kiln.attention.selector import select_backend
 
@@ -546,7 +557,11 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
     assert not flash.prefill_kernel
     if with_kernel.decode_kernel:
         assert with_kernel.describe().startswith("cpu (decode rows: C++ kernel built with AVX")
-        assert with_kernel.describe().endswith("; prefill: C++ kernel)")
+        # bf16 chunks over a bf16 cache by AMX tile products where the CPU has them
+        tiles = cpu_kernel.paged_decode_kernel().prefill_amx(64)
+        assert tiles == ("amx_bf16" in native.cpu_flags().split())
+        suffix = "; prefill: C++ kernel on AMX tiles)" if tiles else "; prefill: C++ kernel)"
+        assert with_kernel.describe().endswith(suffix)
         assert with_kernel.prefill_kernel
     fp16 = select_backend("cpu", cpu, BS, shape, torch.float16)
     assert "not for this dtype or head shape" in fp16.describe()

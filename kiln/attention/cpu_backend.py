@@ -449,6 +449,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
 
     def describe(self) -> str:
         prefill = "C++ kernel" if self.prefill_kernel else "flash kernel"
+        if self.prefill_kernel and self._prefill_tiles():
+            prefill += " on AMX tiles"
         if self.decode_kernel:
             kernel = paged_decode_kernel()
             assert kernel is not None  # decode_kernel is set only where it was built
@@ -464,6 +466,15 @@ class CpuPagedAttentionBackend(AttentionBackend):
         if self.prefill_kernel:
             return f"{self.name} (decode rows: flash kernel, the C++ one {why}; prefill: {prefill})"
         return f"{self.name} (flash kernel throughout; the C++ decode kernel: {why})"
+
+    def _prefill_tiles(self) -> bool:
+        kernel = paged_decode_kernel()
+        return (
+            kernel is not None
+            and self.dtype == torch.bfloat16
+            and self.kv_dtype == torch.bfloat16
+            and kernel.prefill_amx(self.head_dim)
+        )
 
     def metadata_builder(self, max_num_tokens: int, device: torch.device) -> MetadataBuilder:
         return CpuPagedMetadataBuilder(self.dtype, self.key_bytes, self.tuning, self.decode_kernel,

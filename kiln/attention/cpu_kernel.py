@@ -47,6 +47,12 @@ class PagedDecodeKernel:
         query = getattr(self.library, "kiln_paged_prefill_supported", None)
         return bool(query and query(head_dim))  # None: a source from before it (an A/B)
 
+    def prefill_amx(self, head_dim: int) -> bool:
+        """Whether bf16 prefill chunks over a bf16 cache take AMX tile products (a build with
+        AMX on a CPU that has it, head_dim % 32 == 0)."""
+        query = getattr(self.library, "kiln_paged_prefill_amx", None)
+        return bool(query and query(head_dim))  # None: a source from before it (an A/B)
+
     def supports(self, dtype: torch.dtype, heads: int, head_dim: int) -> bool:
         return dtype in DTYPES and heads <= MAX_HEADS and head_dim <= MAX_HEAD_DIM
 
@@ -160,6 +166,9 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_prefill.restype = None
         prefill_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 6, ctypes.c_float]
         library.kiln_paged_prefill.argtypes = [*prefill_args, ctypes.c_int]
+    if hasattr(library, "kiln_paged_prefill_amx"):
+        library.kiln_paged_prefill_amx.restype = ctypes.c_int
+        library.kiln_paged_prefill_amx.argtypes = [i64]
     if hasattr(library, "kiln_paged_decode_step"):
         library.kiln_paged_decode_step.restype = None
         step_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 9, *[i64] * 6, ctypes.c_float]

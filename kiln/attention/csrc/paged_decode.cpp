@@ -588,6 +588,17 @@ void kiln_paged_prefill(int dtype, int kv_dtype, const void* q, const void* k_ca
 #endif
 }
 
+// 1 where bf16 prefill chunks of head_dim over a bf16 cache take AMX tile products (built with
+// AMX, head_dim a multiple of 32, and Linux gave this process the tile registers), else 0
+int kiln_paged_prefill_amx(int64_t head_dim) {
+#if defined(KILN_PREFILL_AMX)
+  return prefill_amx(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
 // 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
 #if defined(__AVX512BF16__)

@@ -13,7 +13,10 @@
 // every sum are float32. With bf16 queries over a bf16 cache on AVX512-BF16, products are bf16
 // pair products (exact, summed in float32: 2x the multiply-adds of an instruction), and the
 // softmax weights are rounded to bf16 for them, as torch's flash kernel rounds them for bf16
-// inputs; elsewhere bf16 rows are widened and the weights stay float32.
+// inputs; elsewhere bf16 rows are widened and the weights stay float32. Where the CPU has AMX
+// tiles those pair products are two tile products a step (amx_group_step): 1.9-2.5x the vector
+// path for SmolLM2's and Qwen3's heads on a 2-core Xeon (benchmarks/decode_kernel_ab.py
+// --prefill), the same products summed in another order.
 //
 // Included by paged_decode.cpp after its helpers (tile_rows); vectorised builds only
 // (KILN_SIMD), the caller keeps torch's flash kernel elsewhere.
@@ -23,6 +26,11 @@
 #include <vector>
 
 #include "vector.h"
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define KILN_PREFILL_AMX 1
+#endif
 
 namespace {
 #if defined(KILN_SIMD)
@@ -227,6 +235,80 @@ struct RowGroup {
   vf m, l;
 };
 
+#if defined(KILN_PREFILL_AMX)
+// bf16 queries over a bf16 cache on a CPU with AMX tiles (Intel's matrix unit): the pair
+// products of a step go to two tile products, scores^T = keys x queries^T and out^T +=
+// values^T x weights^T, in the layouts the vector path already keeps (the transposed query
+// pairs, the weights' pairs, the transposed sums), the keys read from the cache as they lie. One
+// tdpbf16ps is 16 x 16 x 32 pair products, where the vector path made 16 x 32 instructions of
+// 16. The softmax and its rescaling stay vector code, unchanged.
+
+// Linux gives a process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM,
+// XFEATURE_XTILEDATA); where it refuses, the vector path runs
+inline bool prefill_amx_permitted() {
+  static const bool permitted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  return permitted;
+}
+
+inline bool prefill_amx(int64_t head_dim) { return head_dim % 32 == 0 && prefill_amx_permitted(); }
+
+struct alignas(64) PrefillTiles {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// 0: scores^T (16 keys x 16 rows, float32); 1: 16 keys x 32 dims (bf16); 2: the rows' query
+// pairs for those 32 dims (16 x 16 pairs); 3: 16 dims of the transposed sums (16 x 16 float32);
+// 4: those dims' values over the 16 keys (16 x 16 bf16); 5: the weights' pairs (8 x 16 pairs)
+inline void prefill_amx_configure() {
+  PrefillTiles cfg;
+  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
+  cfg.colsb[4] = 32;
+  cfg.rows[5] = 8;
+  _tile_loadconfig(&cfg);
+}
+
+// vt[d * 8 + j2] = vp[j2 * D + d]: the tile's value pairs transposed, dims as tile rows (once
+// per tile, for every group of the item)
+inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
+  for (int64_t d = 0; d < D; ++d)
+    for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) vt[d * 8 + j2] = vp[j2 * D + d];
+}
+
+// One step of a group by tile products: keys (16 rows of the tile, `key_stride` bytes apart,
+// zeros past n), vt the values from transpose_value_pairs
+inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* keys, int64_t key_stride,
+                           const uint32_t* vt, int64_t D, float scale) {
+  alignas(64) float scores[PREFILL_KEYS * W];
+  _tile_zero(0);
+  for (int64_t c = 0; c < D / 32; ++c) {
+    _tile_loadd(1, keys + c * 32, key_stride);
+    _tile_loadd(2, g.qt + c * 16 * W, W * 4);
+    _tile_dpbf16ps(0, 1, 2);
+  }
+  _tile_stored(0, scores, W * 4);
+  vf s[PREFILL_KEYS];
+  for (int64_t j = 0; j < PREFILL_KEYS; ++j) s[j] = vload(scores + j * W);
+  const bool causal = t + PREFILL_KEYS > g.first_hidden;
+  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l);
+  alignas(64) uint32_t weights[PREFILL_KEYS / 2 * W];  // weights rounded to bf16, in key pairs
+  for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) {
+    const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2]));
+    const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2 + 1]));
+    _mm512_store_si512(weights + j2 * W, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+  }
+  for (int64_t d = 0; d < D; ++d) vstore(g.acc + d * W, vload(g.acc + d * W) * alpha);
+  _tile_loadd(5, weights, W * 4);
+  for (int64_t c = 0; c < D / 16; ++c) {
+    _tile_loadd(3, g.acc + c * 16 * W, W * 4);
+    _tile_loadd(4, vt + c * 16 * 8, 32);
+    _tile_dpbf16ps(3, 4, 5);
+    _tile_stored(3, g.acc + c * 16 * W, W * 4);
+  }
+}
+#endif
+
 // One step of a group over the tile of keys from t (n of them, as float32 rows kp, vp; or as
 // the cache's bf16 rows kb, scored by pair products)
 template <bool pairs>
@@ -290,6 +372,12 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
   const float *kp[PREFILL_KEYS], *vp[PREFILL_KEYS];
   const uint16_t *kb[PREFILL_KEYS], *vb[PREFILL_KEYS];
   alignas(64) uint32_t vpairs[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
+#if defined(KILN_PREFILL_AMX)
+  const bool amx = pairs && prefill_amx(D);
+  alignas(64) uint32_t vt[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
+  alignas(64) uint16_t kstage[PREFILL_KEYS * PREFILL_MAX_DIM];
+  if (amx) prefill_amx_configure();
+#endif
   for (int64_t t = 0; t < keys; t += PREFILL_KEYS) {
     const int64_t n = std::min(PREFILL_KEYS, keys - t);
     tile_rows(c.table, t, n, sh.block_size, row_elems, rows);
@@ -305,11 +393,31 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
       float_rows(kc, rows, n, h * HS, D, kbuf, zeros, kp);
       float_rows(vc, rows, n, h * HS, D, vbuf, zeros, vp);
     }
+#if defined(KILN_PREFILL_AMX)
+    if (amx) {
+      if constexpr (pairs) {
+        // the tile's keys where they lie when they are 16 rows evenly apart, else staged
+        const uint16_t* keys_at = reinterpret_cast<const uint16_t*>(kc + rows[0] + h * HS);
+        int64_t key_stride = row_elems * 2;
+        if (n < PREFILL_KEYS || rows[PREFILL_KEYS - 1] - rows[0] != (PREFILL_KEYS - 1) * row_elems) {
+          for (int64_t j = 0; j < PREFILL_KEYS; ++j) std::memcpy(kstage + j * D, kb[j], D * 2);
+          keys_at = kstage, key_stride = D * 2;
+        }
+        transpose_value_pairs(vpairs, D, vt);
+        for (int64_t i = 0; i < groups; ++i)
+          if (t < rg[i].keys) amx_group_step(rg[i], t, keys_at, key_stride, vt, D, sh.scale);
+      }
+      continue;
+    }
+#endif
     for (int64_t i = 0; i < groups; ++i)
       if (t < rg[i].keys)
         group_step<pairs>(rg[i], t, std::min(n, rg[i].keys - t), kp, kb, vp, vpairs, D,
                           sh.scale);
   }
+#if defined(KILN_PREFILL_AMX)
+  if (amx) _tile_release();
+#endif
   for (int64_t i = 0; i < groups; ++i) {
     const RowGroup& g = rg[i];
     alignas(64) float sums[W];
