@@ -7,7 +7,7 @@ oneDNN's speed up to 64 rows (the rows of decode steps) and level with it at 528
 chunk), measured on an AMD EPYC (docs/performance.md, "A bf16 kernel for the linears"). On a
 CPU with AMX its batches of 2 rows and more run on AMX tiles, from the same packed weight:
 1.4-1.5x oneDNN's own AMX path at 1 to 64 rows and 1.05x at 512 on a 2-core Xeon
-(docs/performance.md, "The bf16 kernel on AMX tiles"). Where the kernel cannot use the tiles
+(docs/performance.md, "On a CPU with AMX tiles"). Where the kernel cannot use the tiles
 (Linux refused them) on an AMX CPU, oneDNN keeps the linears. The portable build is the
 reference the tests hold the vector build to, never the engine's path."""
 
