@@ -166,3 +166,47 @@ def test_bench_matrix_reports_a_configuration_that_cannot_boot(tmp_path, capsys)
     assert "No: server_failed x1" in capsys.readouterr().out
     md = (out / "report.md").read_text()
     assert "FAILED: the server exited with status 3 during boot" in md and "no GPU here" in md
+
+
+CRASHING_SERVER = """
+import http.server, json, os, signal, sys
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if self.path != "/v1/models":
+            print("crashing on", self.path, flush=True)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        body = json.dumps({"object": "list", "data": [{"id": "m", "object": "model"}]}).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Handler).serve_forever()
+"""
+
+
+def test_bench_matrix_says_how_a_server_died_after_boot(tmp_path, capsys):
+    """A server that boots, then crashes (as llama.cpp's did on an AMX Xeon, a general
+    protection fault in its CPU backend): the row's error names the signal and quotes the log,
+    where the client alone saw a refused connection."""
+    script = tmp_path / "crashing_server.py"
+    script.write_text(CRASHING_SERVER)
+    profile = tmp_path / "crashing.toml"
+    command = f'["{{python}}", "{script}", "{{port}}"]'
+    profile.write_text(f'name = "crashing"\nengine = "external"\ncommand = {command}\n')
+    out = tmp_path / "m"
+    code = main(
+        ["bench", "matrix", "--configs", str(profile), "--sizes", "128", "--suite", "coding",
+         "--output", str(out), "--no-progress"]
+    )  # fmt: skip
+    assert code == 1
+    assert "No: server_failed x1" in capsys.readouterr().out
+    md = (out / "report.md").read_text()
+    assert "the server had exited with signal SIGSEGV" in md and "crashing on" in md

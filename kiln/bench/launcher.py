@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -79,6 +80,20 @@ class LaunchedServer:
     log_path: str
     boot_s: float
     command: list[str]
+
+    def death_note(self) -> str:
+        """How the process ended and the end of its log, where it has exited (a crash is why a
+        connection was refused); empty while it runs."""
+        code = self.proc.poll()
+        if code is None:
+            return ""
+        how = f"status {code}"
+        if code < 0:
+            try:
+                how = f"signal {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"signal {-code}"
+        return f"; the server had exited with {how} (log {self.log_path}):\n{_tail(self.log_path)}"
 
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM (kiln drains and exits 0), SIGKILL after the timeout."""

@@ -95,7 +95,10 @@ def _run_one(
             own = dataclasses.replace(
                 settings, text_checks=settings.text_checks and not profile.random_weights
             )
-            results = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
+            try:
+                results = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
+            except BenchError as exc:  # a server that crashed mid-run says how
+                raise BenchError(f"{exc}{server.death_note()}") from exc
         finally:
             exit_code = server.stop()
     finally:
