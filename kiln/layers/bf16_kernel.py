@@ -77,13 +77,17 @@ def pairs_runs(weight: torch.Tensor) -> bool:
     """Whether the engine runs `weight` ([N, K] on the CPU) on kiln's kernel: bf16, K even, a
     kernel built with AVX512-BF16 on this machine, which on a CPU with AMX uses its tiles
     (else oneDNN's AMX path is faster)."""
-    return (
+    if not (
         weight.device.type == "cpu"
         and weight.dtype == torch.bfloat16
         and weight.dim() == 2
         and weight.shape[1] % 2 == 0
         and kernel_runs_here()
-    )
+    ):
+        return False
+    # the tiles take k in chunks of 32; other widths would take the vector path at every batch
+    # size, where oneDNN's AMX path is faster from a few rows
+    return not has_amx() or weight.shape[1] % 32 == 0
 
 
 def kernel_runs_here() -> bool:
@@ -150,7 +154,7 @@ def describe_bf16_kernel(fallback: str = "oneDNN") -> str:
     if kernel.amx:
         return "kiln's C++ kernel: AMX tiles from 2 rows, AVX512-BF16 for one"
     if has_amx():
-        return f"{fallback} (this CPU has AMX, and Linux refused its tiles to kiln's kernel)"
+        return f"{fallback} (this CPU has AMX, and kiln's kernel cannot use its tiles here)"
     return "kiln's C++ kernel built with AVX512-BF16"
 
 

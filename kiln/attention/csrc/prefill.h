@@ -396,10 +396,14 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
 #if defined(KILN_PREFILL_AMX)
     if (amx) {
       if constexpr (pairs) {
-        // the tile's keys where they lie when they are 16 rows evenly apart, else staged
+        // the tile's keys where they lie when they are 16 rows evenly apart (every row checked:
+        // blocks under 8 tokens put a tile across several blocks), else staged
         const uint16_t* keys_at = reinterpret_cast<const uint16_t*>(kc + rows[0] + h * HS);
         int64_t key_stride = row_elems * 2;
-        if (n < PREFILL_KEYS || rows[PREFILL_KEYS - 1] - rows[0] != (PREFILL_KEYS - 1) * row_elems) {
+        bool in_place = n == PREFILL_KEYS;
+        for (int64_t j = 1; in_place && j < PREFILL_KEYS; ++j)
+          in_place = rows[j] == rows[0] + j * row_elems;
+        if (!in_place) {
           for (int64_t j = 0; j < PREFILL_KEYS; ++j) std::memcpy(kstage + j * D, kb[j], D * 2);
           keys_at = kstage, key_stride = D * 2;
         }
