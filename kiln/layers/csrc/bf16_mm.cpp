@@ -53,6 +53,31 @@ constexpr int ROWS = 8;
 constexpr int VECTORS = 3;
 
 #ifdef KILN_BF16_SIMD
+// The 16 output columns from n0 (a mask of those that exist: the last vector's may not) and
+// their bias as float32 (zeros without one)
+struct Columns {
+  int64_t n0;
+  __mmask16 mask;
+  __m512 bias;
+};
+
+inline Columns columns(const Problem& p, int64_t n0) {
+  const int64_t valid = p.n - n0 < 16 ? p.n - n0 : 16;
+  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
+  __m512 bias = _mm512_setzero_ps();
+  if (p.bias) {
+    const __m256i b = _mm256_maskz_loadu_epi16(mask, p.bias + n0);
+    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+  }
+  return {n0, mask, bias};
+}
+
+// Row r's 16 sums plus the bias, rounded to bf16 once (to nearest even) into out
+inline void store_row(const Problem& p, const Columns& cols, int64_t r, __m512 sums) {
+  const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(sums, cols.bias));
+  _mm256_mask_storeu_epi16(p.out + r * p.n + cols.n0, cols.mask, (__m256i)y);
+}
+
 // Rows m0 .. m0 + R by vectors v0 .. v0 + V over all of k. `next`, where given, is the weight of
 // the tile this thread takes after the current row tiles (`next_vectors` of them): its lines are
 // fetched into L2 while this tile computes from weights already there, so that memory and the
@@ -79,18 +104,8 @@ void tile(const Problem& p, int64_t m0, int64_t v0, const uint16_t* next, int64_
     }
   }
   for (int v = 0; v < V; ++v) {
-    const int64_t n0 = (v0 + v) * 16;
-    const int64_t valid = p.n - n0 < 16 ? p.n - n0 : 16;
-    const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-    __m512 bias = _mm512_setzero_ps();
-    if (p.bias) {
-      const __m256i b = _mm256_maskz_loadu_epi16(mask, p.bias + n0);
-      bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-    }
-    for (int r = 0; r < R; ++r) {
-      const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(acc[r][v], bias));
-      _mm256_mask_storeu_epi16(p.out + (m0 + r) * p.n + n0, mask, (__m256i)y);
-    }
+    const Columns cols = columns(p, (v0 + v) * 16);
+    for (int r = 0; r < R; ++r) store_row(p, cols, m0 + r, acc[r][v]);
   }
 }
 
@@ -157,17 +172,8 @@ void amx_configure(int64_t rows) {
 
 // The sums in `c` (rows x 16 float32) plus the bias, rounded to bf16 into columns n0.. of out
 void amx_store(const Problem& p, const float* c, int64_t m0, int64_t rows, int64_t n0) {
-  const int64_t valid = p.n - n0 < 16 ? p.n - n0 : 16;
-  const __mmask16 mask = static_cast<__mmask16>((1u << valid) - 1u);
-  __m512 bias = _mm512_setzero_ps();
-  if (p.bias) {
-    const __m256i b = _mm256_maskz_loadu_epi16(mask, p.bias + n0);
-    bias = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
-  }
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m256bh y = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(c + r * 16), bias));
-    _mm256_mask_storeu_epi16(p.out + (m0 + r) * p.n + n0, mask, (__m256i)y);
-  }
+  const Columns cols = columns(p, n0);
+  for (int64_t r = 0; r < rows; ++r) store_row(p, cols, m0 + r, _mm512_load_ps(c + r * 16));
 }
 
 // Rows m0.. (two blocks of up to 16, `blocks` of them) by vectors v0, v0 + 1 over all of k.
