@@ -1,8 +1,8 @@
 """The same concurrent load, round after round, on one engine in this process (no server): each
 round's wall time and output rate, its mean step time split into mixed steps (a prefill chunk
 in them) and pure decode steps, and how scattered the KV blocks of its requests were (blocks
-per run of consecutive ids once sorted, as the CPU attention backend reads them: 1.0 is every
-block alone). Separates what the engine does over its
+per run of consecutive ids in table order, as the CPU kernels read them: 1.0 is every block
+alone). Separates what the engine does over its
 life from what the server around it does (`kiln bench run --passes`).
 
     python benchmarks/engine_rounds.py --rounds 8 --streams 16 --prompt 512 --tokens 128
@@ -32,10 +32,9 @@ def _prompts(llm: LLM, streams: int, size: int, round_index: int) -> list[list[i
 
 
 def _run_length(block_table: list[int]) -> float:
-    """Blocks per run of consecutive ids, as the CPU attention backend sees them (sorted)."""
-    ids = sorted(block_table)
-    runs = 1 + sum(1 for a, b in itertools.pairwise(ids) if b != a + 1)
-    return len(ids) / runs
+    """Blocks per run of consecutive ids in table order, as the CPU kernels read them."""
+    runs = 1 + sum(1 for a, b in itertools.pairwise(block_table) if b != a + 1)
+    return len(block_table) / runs
 
 
 def one_round(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, float]:
@@ -56,7 +55,9 @@ def one_round(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, floa
     return {
         "wall s": wall,
         "output tok/s": len(prompts) * tokens / wall,
+        "mixed steps": len(mixed),
         "mixed step ms": 1e3 * statistics.mean(mixed) if mixed else 0.0,
+        "decode steps": len(decode),
         "decode step ms": 1e3 * statistics.mean(decode) if decode else 0.0,
         "blocks per run": statistics.mean(lengths) if lengths else 0.0,
     }

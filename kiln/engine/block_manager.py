@@ -6,9 +6,9 @@ free blocks are evicted least-recently-freed first. Every hit is verified by tok
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
 
+from kiln.engine.free_blocks import CLAIM_LIMIT, FreeBlocks
 from kiln.engine.sequence import Sequence
 from kiln.engine.state_checkpoints import StateCheckpoints
 from kiln.engine.state_slots import StateSlots
@@ -40,7 +40,7 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.free = FreeBlocks(num_blocks)
         self.cached: dict[int, int] = {}  # block hash -> block id
         self.stats = PrefixCacheStats()
 
@@ -94,7 +94,7 @@ class BlockManager:
         for block_id in hits:
             block = self.blocks[block_id]
             if block.ref_count == 0:
-                del self.free[block_id]
+                self.free.remove(block_id)
             block.ref_count += 1
         if self.state_slots is not None:
             seq.state_slot = self.state_slots.take()
@@ -147,19 +147,31 @@ class BlockManager:
         return boundary - first, self.checkpoints.reserve(block_hash)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> None:
-        for _ in range(self.blocks_needed(num_tokens) - len(seq.block_table)):
+        """Blocks for `num_tokens`, each after the last where it can be (free_blocks.py), and
+        a claim on the blocks after those for the tokens still to come."""
+        target = self.blocks_needed(num_tokens)
+        needed = target - len(seq.block_table)
+        if needed <= 0:
+            return
+        later = max(0, self._expected_blocks(seq, target) - target)
+        for i in range(needed):
             after = seq.block_table[-1] + 1 if seq.block_table else -1
-            seq.block_table.append(self._take_free_block(after))
+            seq.block_table.append(self._take_free_block(id(seq), after, needed - i + later))
+        self.free.claim(id(seq), seq.block_table[-1] + 1, later)
 
-    def _take_free_block(self, preferred: int = -1) -> int:
-        """The least recently freed block, or `preferred` (the one after the sequence's last)
-        if it is free and caches nothing: taking it evicts nothing, and a sequence on
-        consecutive blocks is read in place by the CPU attention backend, in one run."""
-        if preferred in self.free and self.blocks[preferred].block_hash is None:
-            del self.free[preferred]
-            block_id = preferred
-        else:
-            block_id, _ = self.free.popitem(last=False)
+    def _expected_blocks(self, seq: Sequence, target: int) -> int:
+        """The blocks the sequence holds if it runs to its max_tokens (unknown: a claim's
+        worth more than `target`)."""
+        max_tokens = getattr(getattr(seq, "params", None), "max_tokens", None)
+        if max_tokens is None:
+            return target + CLAIM_LIMIT
+        return self.blocks_needed(seq.num_tokens - seq.num_output_tokens + max_tokens)
+
+    def _holds_cache(self, block_id: int) -> bool:
+        return self.blocks[block_id].block_hash is not None
+
+    def _take_free_block(self, owner: int, preferred: int, span: int) -> int:
+        block_id = self.free.take(preferred, owner, self._holds_cache, span)
         block = self.blocks[block_id]
         if block.block_hash is not None and self.cached.get(block.block_hash) == block_id:
             del self.cached[block.block_hash]  # evict
@@ -194,7 +206,7 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
+                self.free.put(block_id)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block that no sequence holds (and the hit statistics)."""
@@ -214,7 +226,8 @@ class BlockManager:
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
-                self.free[block_id] = None
+                self.free.put(block_id)
+        self.free.release_claims(id(seq))
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = seq.draft_computed = 0
