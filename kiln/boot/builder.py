@@ -21,7 +21,7 @@ from kiln.boot.draft import (
     load_draft,
     measure_draft_graphs,
 )
-from kiln.boot.host_memory import THP_SETTING, huge_pages_available, keep_freed_memory
+from kiln.boot.host_memory import keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.prefill_weights import keep_dense_copies
@@ -231,22 +231,9 @@ def _allocate_kv_cache(
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block, kv,
     )  # fmt: skip
     runner.allocate_kv_cache(num_blocks, dtype, kv)
-    if runner.device.type == "cpu":
-        _log_huge_pages(runner.kv_huge_pages, 2 * len(runner.kv_caches))
     if config.cache.kv_cache_memory is not None:
         capture.fit_beside_fixed_kv(available_memory(runner.device), config.strict_graphs)
     return num_blocks
-
-
-def _log_huge_pages(advised: int, tensors: int) -> None:
-    if advised == tensors:
-        logger.info("KV cache: %d tensors on transparent huge pages (madvise)", tensors)
-    elif huge_pages_available():
-        logger.info("KV cache: %d of %d tensors on transparent huge pages; the others are "
-                    "too small or were refused", advised, tensors)  # fmt: skip
-    else:
-        logger.info("KV cache on 4 KiB pages: transparent huge pages are off (%s says never); "
-                    "the CPU decode kernel ran 9%% faster on 2 MiB pages", THP_SETTING)  # fmt: skip
 
 
 def _report(

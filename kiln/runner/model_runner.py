@@ -15,7 +15,6 @@ import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionMetadata, BatchLayout, StateMetadata
 from kiln.attention.kv_int8 import cache_row_width
-from kiln.boot.host_memory import advise_huge_pages
 from kiln.compiler.precompile import TraceFile, compiled_forward
 from kiln.compiler.split_backend import SplitBackend, mark_dynamic_dims, restorer_of_marks
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
@@ -81,7 +80,6 @@ class ModelRunner:
         self.keep_hidden = False
         self.last_step: tuple[StepInputs, torch.Tensor] | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.kv_huge_pages = 0  # KV cache tensors madvised onto transparent huge pages
         self.linear_layers = model.linear_layers()
         # before the compiled forward below: its trace file is keyed by the pools' sizes
         self.states = StatePool(self.linear_layers, device, num_state_checkpoints,
@@ -151,8 +149,6 @@ class ModelRunner:
             )
             for _ in attention
         ]
-        # before any page is touched: a page fault then brings a whole 2 MiB page
-        self.kv_huge_pages = sum(advise_huge_pages(c) for pair in self.kv_caches for c in pair)
         for (k_cache, v_cache), attn in zip(self.kv_caches, attention):
             attn.bind_cache(k_cache, v_cache)
         self.states.allocate(self.buffers.seq_lens.numel(), dtype)
