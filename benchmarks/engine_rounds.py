@@ -7,7 +7,8 @@ life from what the server around it does (`kiln bench run --passes`).
 
     python benchmarks/engine_rounds.py --rounds 8 --streams 16 --prompt 512 --tokens 128
     python benchmarks/engine_rounds.py --prefill-weights packed --dtype bfloat16
-    python benchmarks/engine_rounds.py --rounds 2 --streams 64 --attention-backend cpu-flash"""
+    python benchmarks/engine_rounds.py --rounds 2 --streams 64 --attention-backend cpu-flash
+    python benchmarks/engine_rounds.py --rounds 4 --kv-cache-prefault   # no fresh pages"""
 
 from __future__ import annotations
 
@@ -76,12 +77,14 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cpu-linears", default="auto", choices=("auto", "onednn"))
+    ap.add_argument("--kv-cache-prefault", action="store_true", help="fault the cache in at boot")
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, compilation_config={"mode": args.mode},
               prefill_weights=args.prefill_weights, kv_cache_memory=args.kv_cache_memory,
               max_num_seqs=max(16, args.streams), max_num_batched_tokens=512,
               attention_backend=args.attention_backend,
-              cpu_linears=args.cpu_linears)  # fmt: skip
+              cpu_linears=args.cpu_linears,
+              kv_cache_prefault=args.kv_cache_prefault)  # fmt: skip
     rows = []
     for r in range(args.rounds):
         rows.append(one_round(llm, _prompts(llm, args.streams, args.prompt, r), args.tokens))

@@ -174,3 +174,21 @@ def test_claimed_blocks_are_left_to_their_sequence():
     bm.release(a)
     bm.release(b)
     assert not bm.free.claimed_by and not bm.free.claims
+
+
+def test_claims_are_soft_when_only_claimed_blocks_are_free():
+    """A claim never costs another sequence its admission: with every free block claimed, a
+    new sequence takes claimed ones."""
+    bm = BlockManager(4, 4, False)
+    a = _seq(range(4))
+    a.params, a.num_output_tokens = SimpleNamespace(max_tokens=100), 0
+    _run(bm, a)  # block 0; blocks 1-3 claimed for its growth
+    assert sorted(bm.free.claimed_by) == [1, 2, 3]
+    b = _seq(range(100, 108))
+    assert bm.can_admit([], 8)
+    _run(bm, b)
+    assert sorted(b.block_table) == b.block_table and len(b.block_table) == 2
+    assert set(b.block_table) <= {1, 2, 3} and not set(b.block_table) & set(bm.free.claimed_by)
+    bm.release(a)
+    bm.release(b)
+    assert bm.num_free_blocks == 4 and not bm.free.claimed_by and not bm.free.claims

@@ -21,7 +21,7 @@ from kiln.boot.draft import (
     load_draft,
     measure_draft_graphs,
 )
-from kiln.boot.host_memory import keep_freed_memory
+from kiln.boot.host_memory import fault_in, keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
 from kiln.boot.prefill_weights import keep_dense_copies
@@ -231,6 +231,11 @@ def _allocate_kv_cache(
         config.scheduler.max_num_seqs, graph_reserve, checkpoints, draft_bytes_per_block, kv,
     )  # fmt: skip
     runner.allocate_kv_cache(num_blocks, dtype, kv)
+    if config.cache.kv_cache_prefault and runner.device.type == "cpu":
+        tensors = [t for pair in runner.kv_caches for t in pair]
+        seconds = fault_in(tensors)
+        size = sum(t.untyped_storage().nbytes() for t in tensors) / 2**30
+        logger.info("KV cache: %.2f GiB faulted in at boot in %.1f s", size, seconds)
     if config.cache.kv_cache_memory is not None:
         capture.fit_beside_fixed_kv(available_memory(runner.device), config.strict_graphs)
     return num_blocks
