@@ -2,7 +2,8 @@
 
 Full blocks are hashed by chain (hash of the parent block's hash and this block's token ids).
 A cached block stays reusable after its last user frees it, until the allocator needs it:
-free blocks are evicted least-recently-freed first. Every hit is verified by token ids."""
+free blocks are evicted least-recently-freed first (and placed in runs of consecutive ids,
+free_blocks.py). Every hit is verified by token ids."""
 
 from __future__ import annotations
 
@@ -157,7 +158,7 @@ class BlockManager:
         for i in range(needed):
             after = seq.block_table[-1] + 1 if seq.block_table else -1
             seq.block_table.append(self._take_free_block(id(seq), after, needed - i + later))
-        self.free.claim(id(seq), seq.block_table[-1] + 1, later)
+        self.free.claim(id(seq), seq.block_table[-1] + 1, later, self._holds_cache)
 
     def _expected_blocks(self, seq: Sequence, target: int) -> int:
         """The blocks the sequence holds if it runs to its max_tokens (unknown: a claim's

@@ -1,36 +1,40 @@
-"""The free KV blocks: the order the prefix cache evicts them in, and which one a sequence
-takes next.
+"""The free KV blocks: which one a sequence takes next, and what that evicts.
 
-Eviction is least recently freed first. Placement matters on the CPU, whose attention kernels
-read a sequence's blocks in table order straight from the cache: a run of consecutive block
-ids streams from memory, scattered blocks do not (the decode kernel was 14% slower on shuffled
-than on ordered blocks, benchmarks/decode_kernel_ab.py). Strict LRU scatters a server's
-sequences within a few rounds (freed tail first, taken one at a time, interleaved across
-sequences), so the pool bends the order three ways, none of which costs a cache hit that LRU
-would have kept for long:
+Free blocks queue least recently freed first (never-used ones at the front), and a block that
+caches a prefix is evicted in that order. Placement matters on the CPU, whose attention kernels
+read a sequence's blocks in table order straight from the cache: a run of consecutive block ids
+streams from memory, scattered blocks do not (the decode kernel was 14% slower on shuffled than
+on ordered blocks). Taking strictly in queue order scatters a server's sequences within a few
+rounds (a sequence frees its tail first, and decode growth takes one block at a time,
+interleaved across sequences), so within that order the pool places blocks in runs:
 
-- a growing sequence takes the block after its last when that block is free and holds nothing,
-  or is among the older three quarters of the free queue (by when it was freed), or was freed
-  just before the block behind it;
-- otherwise it starts a run at the oldest free block, moved back to the start of its free run;
-- the blocks just after a growing sequence's last are claimed for it (softly: only where
-  another block would do), so that neighbours do not start their runs there."""
+- a growing sequence takes the block after its last if taking it evicts nothing (it caches no
+  prefix), or if it is among the blocks this allocation takes in queue order anyway (its
+  span: the blocks it takes now and those it will grow into), or if it was claimed for it;
+- otherwise a run starts at the first block of the queue, moved back over blocks the same
+  rule allows (a freed sequence's blocks before its tail are the next ones in the queue), so
+  the run is taken upwards;
+- the blocks after a growing sequence's last that the same rule allows (its remaining prompt
+  and max_tokens, at most CLAIM_LIMIT) are claimed for it, softly: other sequences start their
+  runs elsewhere while they can.
+
+So an allocation evicts only blocks among the first of the queue, as many as its span, in
+another order: a freed sequence's blocks nearer its head may go before its tail."""
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 
 CLAIM_LIMIT = 16  # blocks claimed ahead of a sequence: its expected growth, at most this
-SCAN_LIMIT = 4096  # free blocks looked at for an unclaimed one before taking the oldest
-WALK_LIMIT = 256  # blocks a run's start is looked for behind the oldest free block
+SCAN_LIMIT = 4096  # free blocks looked at for unclaimed ones before taking a claimed one
+WALK_LIMIT = 256  # blocks a run's start is looked for behind its first block
 
 
 class FreeBlocks:
     def __init__(self, num_blocks: int) -> None:
         self.order: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.freed_at = [0] * num_blocks  # the clock when each block was last freed
-        self.clock = 0
         self.claimed_by: dict[int, int] = {}  # block id -> the owner it lies ahead of
         self.claims: dict[int, list[int]] = {}  # owner -> its claimed block ids
 
@@ -44,37 +48,33 @@ class FreeBlocks:
         return iter(self.order)
 
     def put(self, block_id: int) -> None:
-        """Freed now: the newest in the eviction order."""
-        self.clock += 1
-        self.freed_at[block_id] = self.clock
+        """Freed now: the newest in the queue."""
         self.order[block_id] = None
 
     def remove(self, block_id: int) -> None:
-        """Taken back by a prefix hit."""
+        """Taken back by a prefix hit (whoever had claimed it grows elsewhere)."""
         del self.order[block_id]
+        self._unclaim(block_id)
 
     def take(
         self, preferred: int, owner: int, holds_cache: Callable[[int], bool], span: int = 1
     ) -> int:
-        """A block for `owner`, who will take `span` blocks in a row from here: `preferred`
-        (the one after its last) where that evicts nothing worth keeping, else a run that
-        ends at the oldest free block no other owner has claimed (`_run_start`)."""
-        if self._takeable(preferred, owner, holds_cache):
-            block_id = preferred
-        else:
-            oldest = self._oldest_unclaimed(owner)
-            block_id = self._run_start(oldest, owner, holds_cache, span)
+        """A block for `owner`, whose span is `span` blocks from here: `preferred` (the one
+        after its last) where the queue allows it, else a run's start."""
+        allowed = _Allowed(self, owner, holds_cache, span)
+        block_id = preferred if allowed(preferred) else self._run_start(allowed, span)
         del self.order[block_id]
         self._unclaim(block_id)
         return block_id
 
-    def claim(self, owner: int, after: int, count: int) -> None:
-        """Claim up to `count` free blocks from `after` on for `owner`, in place of its
-        earlier claims."""
+    def claim(self, owner: int, after: int, count: int, holds_cache: Callable[[int], bool]) -> None:
+        """Claim for `owner`, in place of its earlier claims, the free blocks from `after` on
+        (up to `count`) that the queue allows it."""
         self.release_claims(owner)
-        mine = []
-        for block_id in range(after, after + min(count, CLAIM_LIMIT)):
-            if block_id not in self.order or block_id in self.claimed_by:
+        count = min(count, CLAIM_LIMIT)
+        allowed, mine = _Allowed(self, owner, holds_cache, count), []
+        for block_id in range(after, after + count):
+            if not allowed(block_id):
                 break
             self.claimed_by[block_id] = owner
             mine.append(block_id)
@@ -86,50 +86,52 @@ class FreeBlocks:
             if self.claimed_by.get(block_id) == owner:
                 del self.claimed_by[block_id]
 
+    def free_for(self, block_id: int, owner: int) -> bool:
+        return block_id in self.order and self.claimed_by.get(block_id, owner) == owner
+
     def _unclaim(self, block_id: int) -> None:
         owner = self.claimed_by.pop(block_id, None)
         if owner is not None:
             self.claims[owner].remove(block_id)
 
-    def _free_for(self, block_id: int, owner: int) -> bool:
-        return block_id in self.order and self.claimed_by.get(block_id, owner) == owner
-
-    def _takeable(self, block_id: int, owner: int, holds_cache: Callable[[int], bool]) -> bool:
-        """Free for `owner`, and taking it evicts nothing LRU would keep for long: it caches
-        nothing, or is not among the newest quarter of the free queue, or was freed just
-        before the block behind it (its sequence's next block towards the tail, older)."""
-        if not self._free_for(block_id, owner):
-            return False
-        if not holds_cache(block_id) or self._not_recent(block_id):
-            return True
-        return block_id > 0 and self.freed_at[block_id] + 1 == self.freed_at[block_id - 1]
-
-    def _not_recent(self, block_id: int) -> bool:
-        """Among the older three quarters of the free queue, by when it was freed."""
-        oldest = self.freed_at[next(iter(self.order))]
-        return 4 * (self.freed_at[block_id] - oldest) <= 3 * (self.clock - oldest)
-
-    def _oldest_unclaimed(self, owner: int) -> int:
-        for i, block_id in enumerate(self.order):
-            if i == SCAN_LIMIT:
-                break
-            if self.claimed_by.get(block_id, owner) == owner:
-                return block_id
-        return next(iter(self.order))  # every block looked at is claimed: claims are soft
-
-    def _run_start(
-        self, block_id: int, owner: int, holds_cache: Callable[[int], bool], span: int
-    ) -> int:
-        """Up to `span - 1` blocks back from `block_id`, over blocks that cache nothing or were
-        freed right after the block behind them: a sequence frees its tail first, so its
-        blocks before the oldest are the next ones LRU evicts, and a run taken from there
-        upwards evicts what LRU would, in ascending order."""
+    def _run_start(self, allowed: _Allowed, span: int) -> int:
+        block_id = allowed.first()
         for _ in range(min(span - 1, WALK_LIMIT)):
-            prev = block_id - 1
-            if prev < 0 or not self._free_for(prev, owner):
+            if block_id == 0 or not allowed(block_id - 1):
                 break
-            chained = holds_cache(block_id) and self.freed_at[prev] == self.freed_at[block_id] + 1
-            if holds_cache(prev) and not chained:
-                break
-            block_id = prev
+            block_id -= 1
         return block_id
+
+
+class _Allowed:
+    """Which free blocks one allocation may take: one free for its owner that caches nothing,
+    or is claimed for it, or is among the first `span` of the queue free for it."""
+
+    def __init__(
+        self, pool: FreeBlocks, owner: int, holds_cache: Callable[[int], bool], span: int
+    ) -> None:
+        self.pool, self.owner, self.holds_cache, self.span = pool, owner, holds_cache, span
+        self._front: list[int] | None = None
+
+    def __call__(self, block_id: int) -> bool:
+        if not self.pool.free_for(block_id, self.owner):
+            return False
+        if not self.holds_cache(block_id) or self.pool.claimed_by.get(block_id) == self.owner:
+            return True
+        return block_id in self.front()
+
+    def front(self) -> list[int]:
+        if self._front is None:
+            mine = (
+                b
+                for b in itertools.islice(self.pool.order, SCAN_LIMIT)
+                if self.pool.free_for(b, self.owner)
+            )
+            self._front = list(itertools.islice(mine, self.span))
+        return self._front
+
+    def first(self) -> int:
+        """The first block of the queue free for the owner; the first at all when every block
+        looked at is claimed (claims are soft)."""
+        front = self.front()
+        return front[0] if front else next(iter(self.pool.order))
