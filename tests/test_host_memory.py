@@ -37,3 +37,13 @@ def test_fault_in_makes_the_pages_resident_and_zero(monkeypatch, advice):
     assert seconds >= 0
     assert _resident() - before > 0.9 * 2 * SIZE
     assert all(int(t.count_nonzero()) == 0 for t in tensors)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_fault_in_takes_the_whole_storage_of_a_view():
+    """A tensor that starts inside its storage: the storage's pages, none past its end."""
+    maps: list = []
+    view = _fresh(maps)[4096 + 7 :]
+    before = _resident()
+    host_memory.fault_in([view])
+    assert _resident() - before > 0.9 * SIZE

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import mmap
 import sys
 import time
 
@@ -54,9 +55,11 @@ def fault_in(tensors: list[torch.Tensor]) -> float:
     them in, contents untouched), else zeros written."""
     t0 = time.monotonic()
     libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True) if _linux() else None
+    page = mmap.PAGESIZE
     for t in tensors:
-        start = t.data_ptr() // 4096 * 4096
-        length = t.data_ptr() + t.untyped_storage().nbytes() - start
+        storage = t.untyped_storage()  # whole, wherever the tensor starts in it
+        start = storage.data_ptr() // page * page
+        length = storage.data_ptr() + storage.nbytes() - start
         populated = (
             libc is not None
             and libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(length), MADV_POPULATE_WRITE)

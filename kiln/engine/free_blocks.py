@@ -3,7 +3,7 @@
 Free blocks queue least recently freed first (never-used ones at the front), and a block that
 caches a prefix is evicted in that order. Placement matters on the CPU, whose attention kernels
 read a sequence's blocks in table order straight from the cache: a run of consecutive block ids
-streams from memory, scattered blocks do not (the decode kernel was 14% slower on shuffled than
+streams from memory, scattered blocks do not (the decode kernel was 18% slower on shuffled than
 on ordered blocks). Taking strictly in queue order scatters a server's sequences within a few
 rounds (a sequence frees its tail first, and decode growth takes one block at a time,
 interleaved across sequences), so within that order the pool places blocks in runs:
