@@ -9,6 +9,7 @@ them: the context then comes from memory, where one layer's cache alone may sit 
     python benchmarks/decode_kernel_ab.py /tmp/before/kiln/attention/csrc/paged_decode.cpp \
         kiln/attention/csrc/paged_decode.cpp    # the whole directory: the headers it includes
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --cases 64x600 --hot  # arithmetic alone
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --dtypes bf16 --prefill 512x512 4x512
 
 `--prefill TOKENSxCONTEXT` times the prefill kernel (prefill.h, in the same library) instead:
@@ -45,15 +46,19 @@ def _cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return kv_int8.quantize(values) if dtype == torch.int8 else values.to(dtype)
 
 
-def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1):
+def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1,
+            hot: bool = False):  # fmt: skip
     """(ms per layer of each kernel, max |difference|) on one random batch, each row's blocks
-    in order, over `layers` caches taken in turn."""
+    in order, over `layers` caches taken in turn; `hot`: every row on the same blocks, which
+    then stay in the core's L2 (the kernel's arithmetic without the wait for memory)."""
     heads, kv_heads, dim = shape
-    blocks = rows * -(-context // BLOCK) + 1
+    per_row = -(-context // BLOCK)
+    blocks = (1 if hot else rows) * per_row + 1
     caches = [
         _cache(torch.randn(2, blocks, BLOCK, kv_heads, dim), dtypes[1]) for _ in range(layers)
     ]
-    tables = torch.arange(1, blocks, dtype=torch.int32).view(rows, -1).contiguous()
+    tables = torch.arange(1, blocks, dtype=torch.int32).view(-1, per_row).expand(rows, -1)
+    tables = tables.contiguous()
     lens = torch.full((rows,), context, dtype=torch.int32)
     q = torch.randn(rows, heads, dim).to(dtypes[0])
     outs = [torch.empty_like(q) for _ in kernels]
@@ -98,6 +103,7 @@ def main() -> None:
     parser.add_argument("--dtypes", nargs="+", choices=DTYPES, default=list(DTYPES))
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--layers", type=int, default=1, help="caches read in turn (cold)")
+    parser.add_argument("--hot", action="store_true", help="every row on the same blocks (L2)")
     parser.add_argument("--cases", nargs="+", help="ROWSxCONTEXT, e.g. 1x7000 64x512")
     parser.add_argument("--prefill", nargs="+", help="TOKENSxCONTEXT: the prefill kernel")
     args = parser.parse_args()
@@ -112,7 +118,7 @@ def main() -> None:
         for kind in args.dtypes:
             for rows, context in cases:
                 (a, b), diff = compare(kernels, SHAPES[name], DTYPES[kind], rows, context,
-                                       args.repeats, args.layers)  # fmt: skip
+                                       args.repeats, args.layers, args.hot)  # fmt: skip
                 print(f"| {name} | {kind} | {rows} x {context} | {a:.3f} | {b:.3f} | "
                       f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
 

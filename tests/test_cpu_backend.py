@@ -453,7 +453,9 @@ def _kernel_build(build: str):
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 6, 16)], ids=str)
+@pytest.mark.parametrize(
+    "shape", [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 2, 96), (4, 1, 256), (6, 6, 16)], ids=str
+)
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     """Rows of 1,100, 257, 64 and 9 keys over fragmented blocks of 16: many tiles (the online
@@ -582,14 +584,16 @@ def test_cpu_flash_is_the_cpu_backend_without_the_kernel():
 
 def test_the_kernel_a_b_benchmark_times_two_builds_on_the_same_inputs():
     """benchmarks/decode_kernel_ab.py loads a kernel per source and runs both on one batch: two
-    builds of one source give the same output bit for bit."""
+    builds of one source give the same output bit for bit, rows on their own blocks or (--hot)
+    all on the same ones."""
     from kiln.attention import cpu_kernel
     from tests.helpers import load_benchmark
 
     ab = load_benchmark("decode_kernel_ab")
     kernels = [ab.load(cpu_kernel.SOURCE) for _ in range(2)]
-    ms, diff = ab.compare(kernels, (9, 3, 64), ab.DTYPES["f32/bf16"], 2, 40, repeats=1)
-    assert diff == 0.0 and len(ms) == 2 and all(t > 0 for t in ms)
+    for dtypes, hot in [(ab.DTYPES["f32/bf16"], False), (ab.DTYPES["bf16"], True)]:
+        ms, diff = ab.compare(kernels, (9, 3, 64), dtypes, 2, 40, repeats=1, hot=hot)
+        assert diff == 0.0 and len(ms) == 2 and all(t > 0 for t in ms)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -1,5 +1,6 @@
-"""The CPU attention kernels (`csrc/paged_decode.cpp`: decode rows; `csrc/prefill.h`, in the
-same library: prefill chunks), built at first use with the machine's C++ compiler
+"""The CPU attention kernels (`csrc/paged_decode.cpp`: decode rows, with `csrc/decode_bf16.h`
+for bf16 over a bf16 cache on AVX-512; `csrc/prefill.h`, in the same library: prefill
+chunks), built at first use with the machine's C++ compiler
 (kiln/native.py) and loaded with ctypes. Where it cannot be built (no
 compiler) the backend keeps its PyTorch path, and says so once."""
 

@@ -11,7 +11,9 @@
 //
 // Built at first use by kiln/attention/cpu_kernel.py with the machine's compiler
 // (-O3 -march=native -fopenmp); AVX-512 (and AVX512-BF16) where the CPU has them, else AVX2
-// with FMA, else portable loops. Prefill chunks have their own kernel, prefill.h.
+// with FMA, else portable loops. bf16 queries over a bf16 cache on AVX-512 take
+// decode_bf16.h's arrangement of the same arithmetic. Prefill chunks have their own kernel,
+// prefill.h.
 
 #include <vector>
 
@@ -357,11 +359,22 @@ inline void add_tile(const float* p, float* acc, const KV* kc, const KV* vc, con
       add_weighted(p + h * G * TILE + j, acc + h * G * D, vc + rows[j] + h * HS, G, D);
 }
 
+}  // namespace
+
+#include "decode_bf16.h"
+
+namespace {
+
 // One request's query q (all heads) over its keys [t0, t1): unnormalised output acc [H, D],
 // running max m [H] and sum l [H]. Q is the query's type, KV the cache's (float32 or bf16).
 template <typename Q, typename KV>
 void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, int64_t t0,
                   int64_t t1, const Shape& sh, float* acc, float* m, float* l) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<Q, uint16_t> && std::is_same_v<KV, uint16_t>)
+    if (bf16_decode_supported(sh.head_dim))
+      return attend_range_bf16(q, kc, vc, table, t0, t1, sh, acc, m, l);
+#endif
   const int64_t H = sh.heads, D = sh.head_dim, row_elems = sh.kv_heads * sh.head_stride;
   float qf[MAX_HEADS * 256];
   alignas(64) uint16_t qb[MAX_HEADS * 256];
