@@ -484,6 +484,35 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
         torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", BUILDS)
+@pytest.mark.parametrize("nan_key", [3, 19, 23, 31, 51])
+def test_a_nan_key_gets_no_weight(dtype, build, nan_key):
+    """A key with a NaN element in one KV head scores NaN for that head's query heads: it takes
+    no weight there, and their output is the attention over the other keys (the vector paths'
+    max passes NaN on in some lanes, which once turned a whole row into NaN)."""
+    kernel = _kernel_build(build)
+    heads, kv_heads, dim, n = 9, 3, 64, 60
+    g = torch.Generator().manual_seed(5)
+    caches = torch.randn(2, 4, 16, kv_heads, dim, generator=g).to(dtype)
+    caches[0].view(-1, kv_heads, dim)[nan_key, 1, 7] = float("nan")
+    q = torch.randn(1, heads, dim, generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    tables, lens = (
+        torch.arange(4, dtype=torch.int32).view(1, 4),
+        torch.tensor([n], dtype=torch.int32),
+    )
+    kernel.run(q, caches[0], caches[1], tables, lens, out, dim**-0.5)
+    keys, values = (c.reshape(-1, kv_heads, dim)[:n].double() for c in caches)
+    keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
+    scores = torch.einsum("hd,khd->hk", q[0].double(), keys) * dim**-0.5
+    assert scores.isnan().sum() == heads // kv_heads  # the key's scores for KV head 1's heads
+    p = torch.softmax(scores.nan_to_num(nan=float("-inf")), -1)
+    want = torch.einsum("hk,khd->hd", p, values)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out[0].double(), want, rtol=tol, atol=tol)
+
+
 @pytest.mark.parametrize("threads", [1, 16])
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
 @pytest.mark.parametrize(

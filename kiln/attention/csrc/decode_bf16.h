@@ -99,20 +99,6 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
       _mm512_storeu_ps(part + (i * STEP + j) * 16, _mm512_setzero_ps());
 }
 
-inline void score_step(const float* qs, const uint16_t* kc, const uint16_t* vc,
-                       const int64_t* rows, int64_t n, const Shape& sh, float* part) {
-  switch (sh.head_dim / 32) {
-    case 1: return score_products<1>(qs, kc, vc, rows, n, sh, part);
-    case 2: return score_products<2>(qs, kc, vc, rows, n, sh, part);
-    case 3: return score_products<3>(qs, kc, vc, rows, n, sh, part);
-    case 4: return score_products<4>(qs, kc, vc, rows, n, sh, part);
-    case 5: return score_products<5>(qs, kc, vc, rows, n, sh, part);
-    case 6: return score_products<6>(qs, kc, vc, rows, n, sh, part);
-    case 7: return score_products<7>(qs, kc, vc, rows, n, sh, part);
-    default: return score_products<8>(qs, kc, vc, rows, n, sh, part);
-  }
-}
-
 // exp(x) of one float by the vector exp (x <= 0), where libm's call cost a fifth of a step
 inline float exp_one(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
 
@@ -126,8 +112,11 @@ inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m
   const __m512 scale = _mm512_set1_ps(sh.scale), neg_inf = _mm512_set1_ps(NEG_INF);
   for (int64_t i = 0; i < sh.heads; ++i) {
     const float* pi = part + i * STEP * 16;
-    const __m512 s0 = _mm512_mask_mov_ps(neg_inf, live0, _mm512_mul_ps(hsum16(pi), scale));
-    const __m512 s1 = _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(hsum16(pi + KEYS * 16), scale));
+    // keys past n, and NaN scores (vmaxps passes its second operand on NaN), count as -inf
+    const __m512 s0 = _mm512_max_ps(
+        _mm512_mask_mov_ps(neg_inf, live0, _mm512_mul_ps(hsum16(pi), scale)), neg_inf);
+    const __m512 s1 = _mm512_max_ps(
+        _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(hsum16(pi + KEYS * 16), scale)), neg_inf);
     const float mx = std::max(m[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
     const __m512 top = _mm512_set1_ps(mx);
     const __m512 e0 = _mm512_maskz_mov_ps(live0, vexp(_mm512_sub_ps(s0, top)));
@@ -199,20 +188,6 @@ inline void values_for(const float* p, const float* correction, const uint16_t* 
     }
 }
 
-inline void values_step(const float* p, const float* correction, const uint16_t* vc,
-                        const int64_t* rows, int64_t n, const Shape& sh, float* acc) {
-  switch (sh.head_dim / 32) {
-    case 1: return values_for<1>(p, correction, vc, rows, n, sh, acc);
-    case 2: return values_for<2>(p, correction, vc, rows, n, sh, acc);
-    case 3: return values_for<3>(p, correction, vc, rows, n, sh, acc);
-    case 4: return values_for<4>(p, correction, vc, rows, n, sh, acc);
-    case 5: return values_for<5>(p, correction, vc, rows, n, sh, acc);
-    case 6: return values_for<6>(p, correction, vc, rows, n, sh, acc);
-    case 7: return values_for<7>(p, correction, vc, rows, n, sh, acc);
-    default: return values_for<8>(p, correction, vc, rows, n, sh, acc);
-  }
-}
-
 // Every head's sums from even/odd halves back into dimension order
 inline void interleave_halves(float* acc, int64_t count) {
   alignas(64) static constexpr int32_t LOW[16] = {0, 16, 1, 17, 2, 18, 3, 19,
@@ -228,13 +203,14 @@ inline void interleave_halves(float* acc, int64_t count) {
 }
 
 inline bool bf16_decode_supported(int64_t head_dim) {
-  return head_dim % 32 == 0 && head_dim <= 256;
+  return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256;
 }
 
-// attend_range for bf16 queries over a bf16 cache, head_dim % 32 == 0
-inline void attend_range_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
-                              const int32_t* table, int64_t t0, int64_t t1, const Shape& sh,
-                              float* acc, float* m, float* l) {
+// attend_range for bf16 queries over a bf16 cache, head_dim = 32 * C
+template <int C>
+void attend_range_chunks(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                         const int32_t* table, int64_t t0, int64_t t1, const Shape& sh,
+                         float* acc, float* m, float* l) {
   const int64_t H = sh.heads, row_elems = sh.kv_heads * sh.head_stride;
   // a thread's buffers kept between calls: heads x 32 vectors of products is up to 128 KiB
   thread_local std::vector<float> part_buffer;
@@ -255,13 +231,28 @@ inline void attend_range_bf16(const uint16_t* q, const uint16_t* kc, const uint1
     const int64_t n = std::min(STEP, t1 - t);
     const int64_t n_next = t + STEP < t1 ? std::min(STEP, t1 - t - STEP) : 0;
     if (n_next) tile_rows(table, t + STEP, n_next, sh.block_size, row_elems, rows + n);
-    score_step(qs, kc, vc, rows, n, sh, part);
+    score_products<C>(qs, kc, vc, rows, n, sh, part);
     prefetch_rows(kc, rows + n, n_next, row_elems);
     softmax_step(part, n, sh, m, l, p, correction);
-    values_step(p, correction, vc, rows, n, sh, acc);
+    values_for<C>(p, correction, vc, rows, n, sh, acc);
     std::copy(rows + n, rows + n + n_next, rows);
   }
   interleave_halves(acc, H * sh.head_dim);
+}
+
+inline void attend_range_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                              const int32_t* table, int64_t t0, int64_t t1, const Shape& sh,
+                              float* acc, float* m, float* l) {
+  switch (sh.head_dim / 32) {  // 1 to 8: bf16_decode_supported
+    case 1: return attend_range_chunks<1>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 2: return attend_range_chunks<2>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 3: return attend_range_chunks<3>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 4: return attend_range_chunks<4>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 5: return attend_range_chunks<5>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 6: return attend_range_chunks<6>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    case 7: return attend_range_chunks<7>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+    default: return attend_range_chunks<8>(q, kc, vc, table, t0, t1, sh, acc, m, l);
+  }
 }
 
 }  // namespace

@@ -121,7 +121,8 @@ inline float exp_sum(float* s, int64_t n, float mx) {
   }
   total = vsum(sum);
 #endif
-  for (; j < n; ++j) total += (s[j] = std::exp(s[j] - mx));
+  // a NaN score (a NaN in the key) gets no weight, as vexp's clamp gives it in the vector loop
+  for (; j < n; ++j) total += (s[j] = std::isnan(s[j]) ? 0.f : std::exp(s[j] - mx));
   return total;
 }
 
