@@ -99,7 +99,7 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
       _mm512_storeu_ps(part + (i * STEP + j) * 16, _mm512_setzero_ps());
 }
 
-// exp(x) of one float by the vector exp (x <= 0), where libm's call cost a fifth of a step
+// exp(x) of one float (x <= 0) by the vector exp the weights take, not a call into libm
 inline float exp_one(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
 
 // The step's scores folded into each head's running max m, sum l; p[i * STEP + j] = the weight
