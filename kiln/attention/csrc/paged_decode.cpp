@@ -39,15 +39,6 @@ inline float dot_f32(const float* qf, const KV* k, int64_t d) {
   return s;
 }
 
-// q . k (q given as float32 and, for bf16 keys, as bf16 too: AVX512-BF16 multiplies pairs of
-// bf16 exactly into a float32 sum)
-inline float dot(const float* qf, const uint16_t*, const float* k, int64_t d) {
-  return dot_f32(qf, k, d);
-}
-inline float dot(const float* qf, const uint16_t*, const int8_t* k, int64_t d) {
-  return dot_f32(qf, k, d);
-}
-
 // The scale of a head row of d values: an int8 row's float32 after its values, else 1
 template <typename KV>
 inline float row_scale(const KV* row, int64_t d) {
@@ -71,20 +62,6 @@ inline float quantize_row(const T* row, int64_t d, int8_t* dst) {
     dst[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, q)));
   }
   return scale;
-}
-
-inline float dot(const float* qf, const uint16_t* qb, const uint16_t* k, int64_t d) {
-#if defined(__AVX512BF16__)
-  if (d % 32 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 32)
-      acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(qb + i),
-                             (__m512bh)_mm512_loadu_si512(k + i));
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
-  (void)qb;
-  return dot_f32(qf, k, d);
 }
 
 // acc[g] += p[g * TILE] * v for the g query heads sharing one KV head's value row v
@@ -163,15 +140,6 @@ struct Shape {
 template <typename KV>
 inline void prefetch_value_row(const KV* vc, const int64_t* row, const Shape& sh) {
   if constexpr (!std::is_same_v<KV, float>) prefetch_rows(vc, row, 1, sh.kv_heads * sh.head_stride);
-}
-
-// q . k for a query of type Q: a bf16 query on bf16 keys may use bf16 dot products; a float32
-// query (a float32 model over a bf16 cache) keeps every bit, the keys widened as they load
-template <typename Q, typename KV>
-inline float query_dot(const float* qf, const uint16_t* qb, const KV* k, int64_t d) {
-  if constexpr (std::is_same_v<Q, uint16_t>) return dot(qf, qb, k, d);
-  (void)qb;
-  return dot_f32(qf, k, d);
 }
 
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
@@ -256,15 +224,13 @@ inline void score_tile_int8(const QuantizedQuery& qq, const int8_t* kc, const in
 // order (what the hardware prefetchers stream from memory), each head's products left unreduced
 // in `part`, and one transposing add tree then reduces a head's 8 keys together, where reducing
 // every key and head alone was most of the kernel's time on AVX2.
-template <typename Q, typename KV>
-inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const KV* vc,
+template <typename KV>
+inline void score_tile(const float* qf, const KV* kc, const KV* vc,
                        const int64_t* rows, int64_t n, const Shape& sh, float* s) {
   const int64_t H = sh.heads, D = sh.head_dim, G = H / sh.kv_heads, HS = sh.head_stride;
   int64_t j = 0;
 #if defined(KILN_SIMD)
-  // bf16 queries over bf16 keys keep AVX512-BF16's pair products where the CPU has them
-  constexpr bool bf16_dots = BF16_DOTS && std::is_same_v<Q, uint16_t> && std::is_same_v<KV, uint16_t>;
-  if (!bf16_dots && D % W == 0) {
+  if (D % W == 0) {
     const __m256 scale = _mm256_set1_ps(sh.scale);
     alignas(64) float part[MAX_HEADS * 8 * W];  // each head's 8 unreduced sums
     for (; j + 8 <= n; j += 8) {
@@ -300,7 +266,7 @@ inline void score_tile(const float* qf, const uint16_t* qb, const KV* kc, const 
     prefetch_value_row(vc, rows + j, sh);
     for (int64_t i = 0; i < H; ++i) {
       const KV* k = kc + rows[j] + (i / G) * HS;
-      s[i * TILE + j] = sh.scale * row_scale(k, D) * query_dot<Q>(qf + i * D, qb + i * D, k, D);
+      s[i * TILE + j] = sh.scale * row_scale(k, D) * dot_f32(qf + i * D, k, D);
     }
   }
 }
@@ -378,13 +344,9 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
 #endif
   const int64_t H = sh.heads, D = sh.head_dim, row_elems = sh.kv_heads * sh.head_stride;
   float qf[MAX_HEADS * 256];
-  alignas(64) uint16_t qb[MAX_HEADS * 256];
   float s[MAX_HEADS * TILE];
   int64_t rows[2 * TILE];
-  for (int64_t i = 0; i < H * D; ++i) {
-    qf[i] = to_float(q[i]);
-    from_float(qb + i, qf[i]);  // exact where q is bf16; unused where q is float32
-  }
+  for (int64_t i = 0; i < H * D; ++i) qf[i] = to_float(q[i]);
 #if defined(KILN_INT8_DOTS)
   QuantizedQuery qq;
   const bool by_int8 = std::is_same_v<KV, int8_t> && int8_dots(D);
@@ -409,7 +371,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
     if constexpr (std::is_same_v<KV, int8_t>)
       if (by_int8) score_tile_int8(qq, kc, vc, rows, n, sh, s), scored = true;
 #endif
-    if (!scored) score_tile<Q>(qf, qb, kc, vc, rows, n, sh, s);
+    if (!scored) score_tile(qf, kc, vc, rows, n, sh, s);
     for (int64_t i = 0; i < H; ++i) {
       float mx = m[i];
       for (int64_t j = 0; j < n; ++j) mx = std::max(mx, s[i * TILE + j]);

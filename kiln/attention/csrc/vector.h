@@ -17,11 +17,6 @@
 namespace {
 
 constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-#if defined(__AVX512BF16__)
-constexpr bool BF16_DOTS = true;
-#else
-constexpr bool BF16_DOTS = false;
-#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(uint16_t x) {
