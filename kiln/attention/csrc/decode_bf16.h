@@ -14,8 +14,11 @@
 // - The online softmax on those vectors, 32 keys an update, where a scalar running max was.
 // - Values widened the same way into sums kept as even and odd halves in registers over a
 //   step's keys, each key's weight broadcast once; put back in order at the end of the range.
-// The memory order is the general path's: a key's rows for every KV head read whole, in order,
-// its value row asked for while it is scored, the next step's keys while values are added.
+// A key's rows for every KV head are read whole and in order, its value row asked for while it
+// is scored. The key rows are left to the hardware prefetchers: asking for the next step's keys
+// while values were added (a burst of 32 rows) made the kernel 1.08-1.17x slower on SmolLM2's
+// heads and 1.15-1.23x on Qwen3's, from memory (1 to 64 rows, 512 to 16k keys,
+// benchmarks/decode_kernel_ab.py --layers 30, the AMX Xeon).
 
 #pragma once
 
@@ -221,21 +224,17 @@ void attend_range_chunks(const uint16_t* q, const uint16_t* kc, const uint16_t* 
   float* qs = query_buffer.data();
   alignas(64) float p[MAX_HEADS * STEP];
   float correction[MAX_HEADS];
-  int64_t rows[2 * STEP];
+  int64_t rows[STEP];
   split_query(q, H * sh.head_dim, qs);
   std::fill(m, m + H, NEG_INF);
   std::fill(l, l + H, 0.f);
   std::fill(acc, acc + H * sh.head_dim, 0.f);
-  if (t0 < t1) tile_rows(table, t0, std::min(STEP, t1 - t0), sh.block_size, row_elems, rows);
   for (int64_t t = t0; t < t1; t += STEP) {
     const int64_t n = std::min(STEP, t1 - t);
-    const int64_t n_next = t + STEP < t1 ? std::min(STEP, t1 - t - STEP) : 0;
-    if (n_next) tile_rows(table, t + STEP, n_next, sh.block_size, row_elems, rows + n);
+    tile_rows(table, t, n, sh.block_size, row_elems, rows);
     score_products<C>(qs, kc, vc, rows, n, sh, part);
-    prefetch_rows(kc, rows + n, n_next, row_elems);
     softmax_step(part, n, sh, m, l, p, correction);
     values_for<C>(p, correction, vc, rows, n, sh, acc);
-    std::copy(rows + n, rows + n + n_next, rows);
   }
   interleave_halves(acc, H * sh.head_dim);
 }
