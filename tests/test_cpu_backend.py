@@ -569,6 +569,41 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threa
                                    atol=tol)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", ["native", "avx512"])
+def test_the_prefill_kernel_follows_scores_that_climb_tile_by_tile(dtype, build):
+    """Scores that rise by 10 a tile of 16 keys (KV head 0's queries), by 5 (head 1's) and fall
+    by 3 (head 2's): on AMX tiles the running max moves only when a score passes it by more than
+    8, so head 0's sums are rescaled at every tile, head 1's every other tile and head 2's never
+    after the first. The output must be the softmax's either way: mostly the last tile's values
+    for head 0, a spread for head 1, the first tile's for head 2."""
+    kernel = _kernel_build(build)
+    heads, kv_heads, dim, cached, tokens = 9, 3, 64, 20, 100
+    n = cached + tokens
+    g = torch.Generator().manual_seed(7)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
+    steps = torch.tensor([10.0, 5.0, -3.0])
+    slots = 128  # 8 blocks of 16, the last one partly used
+    ramp = steps[None, :] * (torch.arange(slots) // 16)[:, None].float()  # [keys, KV heads]
+    noise = 0.1 * torch.randn(slots, kv_heads, dim, generator=g)
+    keys = ramp[..., None] * direction * dim**0.5 + noise
+    caches = torch.stack([keys, torch.randn(slots, kv_heads, dim, generator=g)])
+    caches = caches.view(2, -1, 16, kv_heads, dim).to(dtype)
+    q = (direction + 0.1 * torch.randn(tokens, heads, dim, generator=g)).to(dtype)
+    tables = torch.arange(caches.shape[1], dtype=torch.int32)[None]
+    starts = torch.tensor([0, tokens], dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    kernel.prefill(q, caches[0], caches[1], tables, starts, torch.tensor([n], dtype=torch.int32),
+                   out, dim**-0.5)  # fmt: skip
+    k, v = (c.reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(3, 1) for c in caches)
+    scores = torch.einsum("thd,khd->htk", q.double(), k) * dim**-0.5
+    hidden = torch.arange(n)[None, :] > cached + torch.arange(tokens)[:, None]
+    p = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+    want = torch.einsum("htk,khd->thd", p, v)
+    tol = 1e-4 if dtype == torch.float32 else 1e-2  # float32: scores up to 70 round by 4e-6
+    torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+
+
 def test_an_unknown_decode_kernel_choice_is_refused():
     with pytest.raises(ValueError, match='"auto", "on" or "off"'):
         _backend(torch.float32, CpuAttentionTuning(decode_kernel="yes"))

@@ -206,7 +206,10 @@ inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D,
 // One online-softmax step over a tile of keys from position t: scores s in, weights out (in s);
 // m and l, the running max and sum, updated; returns the factor earlier sums are scaled by.
 // `causal`: some key of the tile lies past some row's position (the diagonal, the chunk's end).
-inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l) {
+// `slack` > 0: the max moves only where a score passes it by more than slack (a weight is then
+// at most e^slack), else every lane keeps its max and the factor is exactly 1.
+inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l,
+                       float slack = 0.f) {
   const vf minus_inf = vset(NEG_INF);
   vf mx = m;
   for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
@@ -214,6 +217,7 @@ inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m
     if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], minus_inf);
     mx = vmax(mx, s[j]);
   }
+  if (slack > 0.f && !vany_gt(mx, m + vset(slack))) mx = m;  // m = -inf moves on the first step
   const vf alpha = vexp(m - mx);  // 0 (to float32's last bits) on the first step, m = -inf
   vf sum = vzero();
   for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
@@ -276,6 +280,12 @@ inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
     for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) vt[d * 8 + j2] = vp[j2 * D + d];
 }
 
+// The sums live in memory between tile products, so rescaling them is a pass over all of them.
+// The running max moves only when a score passes it by more than this (weights up to e^8, about
+// 3000: float32 sums and bf16 weights keep their relative precision), so after a row's first
+// keys most steps skip that pass.
+constexpr float AMX_MAX_SLACK = 8.f;
+
 // One step of a group by tile products: keys (16 rows of the tile, `key_stride` bytes apart,
 // zeros past n), vt the values from transpose_value_pairs
 inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* keys, int64_t key_stride,
@@ -291,14 +301,15 @@ inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* keys, int64_t
   vf s[PREFILL_KEYS];
   for (int64_t j = 0; j < PREFILL_KEYS; ++j) s[j] = vload(scores + j * W);
   const bool causal = t + PREFILL_KEYS > g.first_hidden;
-  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l);
+  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l, AMX_MAX_SLACK);
   alignas(64) uint32_t weights[PREFILL_KEYS / 2 * W];  // weights rounded to bf16, in key pairs
   for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) {
     const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2]));
     const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2 + 1]));
     _mm512_store_si512(weights + j2 * W, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
-  for (int64_t d = 0; d < D; ++d) vstore(g.acc + d * W, vload(g.acc + d * W) * alpha);
+  if (vany_gt(vset(1.f), alpha))
+    for (int64_t d = 0; d < D; ++d) vstore(g.acc + d * W, vload(g.acc + d * W) * alpha);
   _tile_loadd(5, weights, W * 4);
   for (int64_t c = 0; c < D / 16; ++c) {
     _tile_loadd(3, g.acc + c * 16 * W, W * 4);

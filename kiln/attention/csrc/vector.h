@@ -64,6 +64,7 @@ using vi = __m512i;
 inline vi viload(const int32_t* p) { return _mm512_loadu_si512(p); }
 inline vi viset(int32_t x) { return _mm512_set1_epi32(x); }
 inline vf vselect_le(vi x, vi y, vf a, vf b) { return _mm512_mask_blend_ps(_mm512_cmple_epi32_mask(x, y), b, a); }
+inline bool vany_gt(vf a, vf b) { return _mm512_cmp_ps_mask(a, b, _CMP_GT_OQ) != 0; }
 inline __m256 vhalves(vf x) {  // the 16 lanes folded to 8
   const __m256 high = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1));
   return _mm256_add_ps(_mm512_castps512_ps256(x), high);
@@ -100,6 +101,7 @@ using vi = __m256i;
 inline vi viload(const int32_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 inline vi viset(int32_t x) { return _mm256_set1_epi32(x); }
 inline vf vselect_le(vi x, vi y, vf a, vf b) { return _mm256_blendv_ps(a, b, _mm256_castsi256_ps(_mm256_cmpgt_epi32(x, y))); }
+inline bool vany_gt(vf a, vf b) { return _mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_GT_OQ)) != 0; }
 inline __m256 vhalves(vf x) { return x; }
 #endif
 
