@@ -38,9 +38,13 @@ def _run_length(block_table: list[int]) -> float:
     return len(block_table) / runs
 
 
-def one_round(llm: LLM, prompts: list[list[int]], tokens: int) -> dict[str, float]:
+def one_round(
+    llm: LLM, prompts: list[list[int]], tokens: int, min_tokens: int = 0
+) -> dict[str, float]:
     engine = llm.engine
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0, max_tokens=tokens, ignore_eos=True, min_tokens=min_tokens
+    )
     for i, ids in enumerate(prompts):
         engine.add_request(f"r{time.monotonic_ns()}-{i}", ids, params)
     mixed, decode, lengths = [], [], []
@@ -78,6 +82,9 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cpu-linears", default="auto", choices=("auto", "onednn"))
     ap.add_argument("--kv-cache-prefault", action="store_true", help="fault the cache in at boot")
+    ap.add_argument(
+        "--min-tokens", type=int, default=0, help="as `kiln bench` sends (= --tokens there)"
+    )
     args = ap.parse_args()
     llm = LLM(args.model, dtype=args.dtype, compilation_config={"mode": args.mode},
               prefill_weights=args.prefill_weights, kv_cache_memory=args.kv_cache_memory,
@@ -87,7 +94,11 @@ def main() -> None:
               kv_cache_prefault=args.kv_cache_prefault)  # fmt: skip
     rows = []
     for r in range(args.rounds):
-        rows.append(one_round(llm, _prompts(llm, args.streams, args.prompt, r), args.tokens))
+        rows.append(
+            one_round(
+                llm, _prompts(llm, args.streams, args.prompt, r), args.tokens, args.min_tokens
+            )
+        )
         print(f"round {r + 1}: " + ", ".join(f"{k} {v:.2f}" for k, v in rows[-1].items()))
         compiled = llm.engine.runner.compile_stats()
         if compiled:

@@ -175,10 +175,16 @@ def test_shape_logits_copies_only_when_it_changes_something():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0], [0.0, 1.0, 2.0, 3.0]])
     plain = SamplingBatch.build([_seq(SamplingParams(temperature=0))] * 2, 4, torch.device("cpu"))
     assert shape_logits(logits, plain, frozenset({3})) is logits
+    # min_tokens that bans nothing (EOS ignored, no stop tokens: what `kiln bench` sends) is no
+    # change either: no copy of the logits at every step
+    nothing = SamplingParams(temperature=0, min_tokens=5, ignore_eos=True)
+    batch = SamplingBatch.build([_seq(nothing)] * 2, 4, torch.device("cpu"))
+    assert shape_logits(logits, batch, frozenset({3})) is logits
     raw = logits.clone()
     for params in [
         SamplingParams(temperature=0, logit_bias={1: 5}),
         SamplingParams(temperature=0, min_tokens=5),
+        SamplingParams(temperature=0, min_tokens=5, ignore_eos=True, stop_token_ids=[2]),
         SamplingParams(temperature=0, repetition_penalty=2.0),
     ]:
         seqs = [_seq(SamplingParams(temperature=0)), _seq(params)]

@@ -107,13 +107,20 @@ def add_logit_bias(logits: torch.Tensor, seqs: list[Sequence]) -> None:
             logits[row].index_add_(0, ids, values)
 
 
+def min_tokens_banned(seq: Sequence, eos: frozenset[int]) -> list[int]:
+    """The tokens a sequence may not sample yet: its stop tokens, and EOS unless it ignores EOS,
+    while it has fewer than min_tokens outputs (none after, or with nothing to stop on)."""
+    p = seq.params
+    if seq.num_output_tokens >= p.min_tokens:
+        return []
+    return list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
+
+
 def mask_min_tokens(logits: torch.Tensor, seqs: list[Sequence], eos: frozenset[int]) -> None:
     for row, seq in enumerate(seqs):
-        p = seq.params
-        if seq.num_output_tokens < p.min_tokens:
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eos))
-            if banned:
-                logits[row, banned] = float("-inf")
+        banned = min_tokens_banned(seq, eos)
+        if banned:
+            logits[row, banned] = float("-inf")
 
 
 # Top-p / min-p nuclei rarely reach past a few hundred tokens: filtering among the top
@@ -254,7 +261,7 @@ def shape_logits(logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int]
     themselves where no row has any (every caller only reads the result: a copy of 64 rows of
     SmolLM2's vocabulary was ~5 ms of a 64-stream decode step, its memory cold)."""
     seqs = batch.seqs
-    if batch.penalties is None and not any(_shaped(s) for s in seqs):
+    if batch.penalties is None and not any(_shaped(s, eos) for s in seqs):
         return logits
     logits = apply_penalties(logits, batch) if batch.penalties is not None else logits.clone()
     add_logit_bias(logits, seqs)
@@ -262,8 +269,10 @@ def shape_logits(logits: torch.Tensor, batch: SamplingBatch, eos: frozenset[int]
     return logits
 
 
-def _shaped(seq: Sequence) -> bool:
-    return bool(seq.params.logit_bias) or seq.num_output_tokens < seq.params.min_tokens
+def _shaped(seq: Sequence, eos: frozenset[int]) -> bool:
+    """Whether a row's logits change: a logit_bias, or tokens min_tokens bans (min_tokens
+    with ignore_eos and no stop tokens bans none, as benchmarks send it)."""
+    return bool(seq.params.logit_bias) or bool(min_tokens_banned(seq, eos))
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
