@@ -10,6 +10,7 @@ them: the context then comes from memory, where one layer's cache alone may sit 
         kiln/attention/csrc/paged_decode.cpp    # the whole directory: the headers it includes
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --shapes smollm2 --layers 30
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --cases 64x600 --hot  # arithmetic alone
+    python benchmarks/decode_kernel_ab.py A.cpp B.cpp --layers 30 --runs-of 1  # shuffled blocks
     python benchmarks/decode_kernel_ab.py A.cpp B.cpp --dtypes bf16 --prefill 512x512 4x512
 
 `--prefill TOKENSxCONTEXT` times the prefill kernel (prefill.h, in the same library) instead:
@@ -46,18 +47,29 @@ def _cache(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return kv_int8.quantize(values) if dtype == torch.int8 else values.to(dtype)
 
 
+def _block_ids(count: int, run: int) -> torch.Tensor:
+    """Block ids 1..count in runs of `run` consecutive ids, the runs in random order (0: all
+    in order, as a fresh server places them)."""
+    ids = torch.arange(1, count + 1, dtype=torch.int32)
+    if run <= 0:
+        return ids
+    runs = list(ids.split(run))
+    return torch.cat([runs[i] for i in torch.randperm(len(runs)).tolist()])
+
+
 def compare(kernels, shape, dtypes, rows: int, context: int, repeats: int, layers: int = 1,
-            hot: bool = False):  # fmt: skip
+            hot: bool = False, run: int = 0):  # fmt: skip
     """(ms per layer of each kernel, max |difference|) on one random batch, each row's blocks
-    in order, over `layers` caches taken in turn; `hot`: every row on the same blocks, which
-    then stay in the core's L2 (the kernel's arithmetic without the wait for memory)."""
+    in order (or in shuffled runs of `run` blocks), over `layers` caches taken in turn; `hot`:
+    every row on the same blocks, which then stay in the core's L2 (the kernel's arithmetic
+    without the wait for memory)."""
     heads, kv_heads, dim = shape
     per_row = -(-context // BLOCK)
     blocks = (1 if hot else rows) * per_row + 1
     caches = [
         _cache(torch.randn(2, blocks, BLOCK, kv_heads, dim), dtypes[1]) for _ in range(layers)
     ]
-    tables = torch.arange(1, blocks, dtype=torch.int32).view(-1, per_row).expand(rows, -1)
+    tables = _block_ids(blocks - 1, run).view(-1, per_row).expand(rows, -1)
     tables = tables.contiguous()
     lens = torch.full((rows,), context, dtype=torch.int32)
     q = torch.randn(rows, heads, dim).to(dtypes[0])
@@ -105,6 +117,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=1, help="caches read in turn (cold)")
     parser.add_argument("--hot", action="store_true", help="every row on the same blocks (L2)")
     parser.add_argument("--cases", nargs="+", help="ROWSxCONTEXT, e.g. 1x7000 64x512")
+    parser.add_argument(
+        "--runs-of", type=int, default=0, help="blocks in shuffled runs of N (1: every block)"
+    )
     parser.add_argument("--prefill", nargs="+", help="TOKENSxCONTEXT: the prefill kernel")
     args = parser.parse_args()
     kernels = [load(args.before), load(args.after)]
@@ -118,7 +133,8 @@ def main() -> None:
         for kind in args.dtypes:
             for rows, context in cases:
                 (a, b), diff = compare(kernels, SHAPES[name], DTYPES[kind], rows, context,
-                                       args.repeats, args.layers, args.hot)  # fmt: skip
+                                       args.repeats, args.layers, args.hot,
+                                       args.runs_of)  # fmt: skip
                 print(f"| {name} | {kind} | {rows} x {context} | {a:.3f} | {b:.3f} | "
                       f"{a / b:.2f}x | {diff:.1e} |", flush=True)  # fmt: skip
 
