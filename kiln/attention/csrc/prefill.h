@@ -206,8 +206,9 @@ inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D,
 // One online-softmax step over a tile of keys from position t: scores s in, weights out (in s);
 // m and l, the running max and sum, updated; returns the factor earlier sums are scaled by.
 // `causal`: some key of the tile lies past some row's position (the diagonal, the chunk's end).
-// `slack` > 0: the max moves only where a score passes it by more than slack (a weight is then
-// at most e^slack), else every lane keeps its max and the factor is exactly 1.
+// `slack` > 0: the max moves (every lane's, to its true max) only when some lane's score passes
+// its max by more than slack; otherwise every lane keeps its max, a weight is at most e^slack,
+// and the factor is exactly 1.
 inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l,
                        float slack = 0.f) {
   const vf minus_inf = vset(NEG_INF);
