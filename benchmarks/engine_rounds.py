@@ -82,6 +82,7 @@ def main() -> None:
     ap.add_argument("--attention-backend", default="auto")
     ap.add_argument("--cpu-linears", default="auto", choices=("auto", "onednn"))
     ap.add_argument("--kv-cache-prefault", action="store_true", help="fault the cache in at boot")
+    ap.add_argument("--block-size", type=int, default=None, help="tokens per KV block")
     ap.add_argument(
         "--min-tokens", type=int, default=0, help="as `kiln bench` sends (= --tokens there)"
     )
@@ -91,7 +92,8 @@ def main() -> None:
               max_num_seqs=max(16, args.streams), max_num_batched_tokens=512,
               attention_backend=args.attention_backend,
               cpu_linears=args.cpu_linears,
-              kv_cache_prefault=args.kv_cache_prefault)  # fmt: skip
+              kv_cache_prefault=args.kv_cache_prefault,
+              **({"block_size": args.block_size} if args.block_size else {}))  # fmt: skip
     rows = []
     for r in range(args.rounds):
         rows.append(

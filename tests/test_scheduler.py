@@ -103,3 +103,22 @@ def test_token_budget_defaults_per_device(smollm_path):
     prompt = {"prompt_token_ids": list(range(5, 1205))}
     llm.generate(prompt, SamplingParams(max_tokens=1))
     assert llm.engine.num_steps == 3  # 1200 prompt tokens in chunks of 512
+
+
+def test_block_size_defaults_per_device(smollm_path):
+    """Left out, a KV block is 64 tokens on the CPU (its kernels read blocks in table order)
+    and 16 on CUDA; given, it is kept. Prefix hits then come in whole 64-token blocks."""
+    from kiln import LLM
+    from kiln.config.engine import CacheConfig
+
+    assert CacheConfig().for_device("cpu").block_size == 64
+    assert CacheConfig().for_device("cuda").block_size == 16
+    given = CacheConfig(block_size=8)
+    assert given.for_device("cpu") is given
+    llm = LLM(kv_cache_memory="96MiB", device="cpu", max_model_len=2048, max_num_seqs=1)
+    assert llm.engine.config.cache.block_size == 64
+    shared = list(range(5, 205))  # 200 tokens: three whole blocks of 64
+    params = SamplingParams(max_tokens=1)
+    llm.generate({"prompt_token_ids": [*shared, 7]}, params)
+    (out,) = llm.generate({"prompt_token_ids": [*shared, 9, 11]}, params)
+    assert out.num_cached_tokens == 192

@@ -55,9 +55,10 @@ def resolve_device(config: EngineConfig) -> torch.device:
 
 
 def for_device(config: EngineConfig) -> tuple[EngineConfig, torch.device]:
-    """The device, and the config with its scheduler defaults for that device."""
+    """The device, and the config with its scheduler and cache defaults for that device."""
     device = resolve_device(config)
-    return replace(config, scheduler=config.scheduler.for_device(device.type)), device
+    scheduler = config.scheduler.for_device(device.type)
+    return replace(config, scheduler=scheduler, cache=config.cache.for_device(device.type)), device
 
 
 def device_caps(device: torch.device, graph_backend: GraphBackend | None = None) -> DeviceCaps:
