@@ -31,6 +31,28 @@ namespace {
 
 using kiln_bf16::bf16_to_float;
 
+// A block's codes are one sequential stream, but each group's (scale, zero) pairs lie n * 4
+// bytes from the last group's: a block touches k / group places in the scale table, more
+// streams than the hardware prefetchers follow. Asked for explicitly, the codes a kilobyte
+// ahead and the next block's pairs a group ahead, a 1B model's one-row step read its weights
+// 1.3x faster from memory (docs/performance.md, "Asking for the weights ahead").
+constexpr int64_t CODES_AHEAD = 1024;  // bytes; 512: 0.96x, 2048: level, 4096: 0.92x
+
+inline void prefetch(const void* p) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
+#else
+  __builtin_prefetch(p);
+#endif
+}
+
+// The (scale, zero) pairs of group g for the `width` outputs after n0's block: 4 bytes each.
+inline void prefetch_next_scales(const uint16_t* scales_zeros, int64_t g, int64_t n, int64_t n0,
+                                 int64_t width) {
+  const char* next = reinterpret_cast<const char*>(scales_zeros + (g * n + n0 + width) * 2);
+  for (int64_t line = 0; line < width * 4; line += 64) prefetch(next + line);
+}
+
 // The vector layer: W float32 lanes; codes(p) widens W bytes to W int32 lanes; scale_zero
 // reads W (scale, zero) bfloat16 pairs, which are 32-bit lanes: the scale is a lane's low half
 // moved up, the zero its high half.
@@ -96,12 +118,15 @@ void block_rows(const Problem& p, int64_t block, int64_t m0) {
   constexpr int HALF = V / 2;  // code vectors per column in each nibble
   const int64_t n0 = block * V * W, groups = p.k / p.group;
   const uint8_t* column = p.packed + block * p.k * (V * W / 2);
+  constexpr int64_t COLUMN = V * W / 2;  // bytes of codes per column
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_next_scales(p.scales_zeros, g, p.n, n0, V * W);
     vf acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < V; ++j) acc[r][j] = vzero();
     for (int64_t kk = g * p.group; kk < (g + 1) * p.group; ++kk) {
-      const uint8_t* bytes = column + kk * (V * W / 2);
+      const uint8_t* bytes = column + kk * COLUMN;
+      if ((kk * COLUMN) % 64 == 0) prefetch(bytes + CODES_AHEAD);  // once a cache line
       vf xb[R];
       for (int r = 0; r < R; ++r) xb[r] = vset(p.x[(m0 + r) * p.k + kk]);
       for (int c = 0; c < HALF; ++c) {
@@ -197,6 +222,7 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
   const __m512i idx0 = quad_index(0), idx1 = quad_index(16);
   const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(int8_t(0xf0));
   for (int64_t g = 0; g < groups; ++g) {
+    prefetch_next_scales(p.scales_zeros, g, p.n, n0, 64);
     __m512 facc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
@@ -207,6 +233,8 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
           for (int j = 0; j < 4; ++j) acc[q][r][j] = _mm512_setzero_si512();
       for (int64_t kk = c * CHUNK; kk < (c + 1) * CHUNK; kk += 4) {
         const uint8_t* bytes = column + kk * 32;
+        prefetch(bytes + CODES_AHEAD);
+        prefetch(bytes + CODES_AHEAD + 64);
         const __m512i a = _mm512_loadu_si512(bytes), b = _mm512_loadu_si512(bytes + 64);
         const __m512i q0 = _mm512_permutex2var_epi8(a, idx0, b);
         const __m512i q1 = _mm512_permutex2var_epi8(a, idx1, b);
