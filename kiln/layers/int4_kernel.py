@@ -69,6 +69,20 @@ class Int4MatmulKernel:
         )  # fmt: skip
         return out
 
+    def dequantize_t(
+        self, packed: torch.Tensor, scales_zeros: torch.Tensor, group_size: int, block_n: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:  # fmt: skip
+        """W^T [K, N] in `dtype` (float32 or bf16), bit for bit what `cpu_dequantize_t` makes
+        with PyTorch's ops, 20-30x faster: the weight of the large-batch path's dense matmul."""
+        k, n = packed.shape[1] * 2, scales_zeros.shape[1]
+        out = torch.empty(k, n, dtype=dtype)
+        self.library.kiln_int4_dequantize_t(
+            packed.data_ptr(), scales_zeros.data_ptr(), n, k, block_n, group_size,
+            CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
 
 CAST_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # matmul_as's rows and outputs
 
@@ -145,6 +159,8 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     library.kiln_int4_mm_cast.argtypes = [flag, ptr, i64, i64, ptr, ptr, i64, i64, i64, flag, ptr,
                                           flag, flag]  # fmt: skip
     library.kiln_int4_mm_int8_rows.restype = flag
+    library.kiln_int4_dequantize_t.restype = None
+    library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, i64, i64, i64, i64, flag, ptr, flag]
     int8_rows = library.kiln_int4_mm_int8_rows() == 1
     return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_rows)
 

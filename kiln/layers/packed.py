@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kiln.layers.bf16_kernel import bf16_matmul_kernel
+from kiln.layers.bf16_kernel import bf16_matmul_kernel, has_amx
 from kiln.layers.cpu_int4_layout import (
     CPU_BLOCKS,
     cpu_block_n,
@@ -267,9 +267,12 @@ def int4_matmul(
     one dense matmul (2.7-4x aten's kernel at 256-512 rows, level with kiln's). `int8_planes`:
     kiln's kernel takes the rows as that many int8 planes (`--packed-activations`), and takes
     them at every row count: at 512 rows two planes are 1.4-1.7x dequantize + matmul."""
-    below = rows.shape[0] < DEQUANT_MIN_ROWS or int8_planes > 0
-    kernel = int4_matmul_kernel() if below else None
     dtype = torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
+    large = rows.shape[0] >= DEQUANT_MIN_ROWS
+    if large and (int8_planes == 0 or has_amx()) and (kernel := int4_matmul_kernel()):
+        return _dequantized_product(kernel, rows.to(dtype), packed, scales_zeros, group_size,
+                                    packed1, scales_zeros1)  # fmt: skip
+    kernel = int4_matmul_kernel() if not large or int8_planes > 0 else None
     if kernel is not None and packed1 is None and _castable(rows, dtype):
         block = cpu_block_n() or CPU_BLOCKS[0]
         return kernel.matmul_as(rows, packed, scales_zeros, group_size, block, dtype, int8_planes)
@@ -282,6 +285,22 @@ def int4_matmul(
         y += _int4_matmul_plane(rows, packed1, scales_zeros1, group_size).float()
         return y if rows.dtype == torch.float32 else y.to(torch.bfloat16)
     return _int4_matmul_plane(rows, packed, scales_zeros, group_size)
+
+
+def _dequantized_product(kernel, rows, packed, scales_zeros, group_size, packed1, scales_zeros1):
+    """A large batch: each plane dequantized by kiln's kernel (bit for bit cpu_dequantize_t, 20-30x
+    faster) and one dense matmul; two planes summed in float32 and rounded once. Taken with
+    int8 planes too where the CPU multiplies bf16 on AMX tiles: a 512-row chunk of a 1B model's
+    linears 4x faster there than the int4 kernel on int8 planes (docs/performance.md, "A packed
+    prefill without dense copies")."""
+    block = cpu_block_n() or CPU_BLOCKS[0]
+    planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
+    products = [
+        rows @ kernel.dequantize_t(codes, sz, group_size, block, rows.dtype) for codes, sz in planes
+    ]
+    if len(products) == 1:
+        return products[0]
+    return (products[0].float() + products[1].float()).to(rows.dtype)
 
 
 def _planes(packed, scales_zeros, packed1, scales_zeros1) -> list:
