@@ -288,11 +288,11 @@ def int4_matmul(
 
 
 def _dequantized_product(kernel, rows, packed, scales_zeros, group_size, packed1, scales_zeros1):
-    """A large batch: each plane dequantized by kiln's kernel (bit for bit cpu_dequantize_t, 20-30x
-    faster) and one dense matmul; two planes summed in float32 and rounded once. Taken with
-    int8 planes too where the CPU multiplies bf16 on AMX tiles: a 512-row chunk of a 1B model's
-    linears 4x faster there than the int4 kernel on int8 planes (docs/performance.md, "A packed
-    prefill without dense copies")."""
+    """A large batch: each plane dequantized by kiln's kernel (bit for bit cpu_dequantize_t,
+    about 8x faster) and one dense matmul; two planes summed in float32 and rounded once. Taken
+    with int8 planes too where the CPU multiplies bf16 on AMX tiles: a 512-row chunk of a 1B
+    model's linears 5.7-9x faster there than through the int4 kernel on int8 planes
+    (docs/performance.md, "A packed prefill without dense copies")."""
     block = cpu_block_n() or CPU_BLOCKS[0]
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     products = [
