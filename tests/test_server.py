@@ -105,6 +105,24 @@ def test_streaming_with_usage(client):
     assert body[-1].choices[0].finish_reason == "stop"
 
 
+def test_a_streamed_request_of_several_prompts_interleaves_them_whole(client):
+    """Several prompts in one streamed request (their streams merged): every choice's text
+    comes whole and in order, as the same request answers without streaming."""
+    args = dict(model=MODEL, prompt=["The sky is", "One, two,"], temperature=0, max_tokens=8)
+    once = client.completions.create(**args, n=2)
+    texts: dict[int, str] = {}
+    finished = set()
+    for chunk in client.completions.create(**args, n=2, stream=True):
+        for c in chunk.choices:
+            assert c.index not in finished  # nothing after a choice's finish_reason
+            texts[c.index] = texts.get(c.index, "") + c.text
+            if c.finish_reason is not None:
+                finished.add(c.index)
+    assert finished == {0, 1, 2, 3}
+    assert texts == {c.index: c.text for c in once.choices}
+    assert texts[0] == texts[1] != texts[2] == texts[3]  # greedy: a prompt's n choices agree
+
+
 def test_n_stop_seed_logprobs(client):
     many = client.completions.create(
         model=MODEL, prompt="My favourite animal is", n=3, temperature=1.0, seed=7, max_tokens=8

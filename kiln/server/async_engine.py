@@ -108,8 +108,7 @@ class AsyncEngine:
                 logger.exception("engine step failed")
                 self._fail_all(exc)
                 continue
-            for out in outputs:
-                self._deliver(out)
+            self._deliver_all(outputs)
 
     def _drain_inbox(self) -> None:
         while True:
@@ -130,11 +129,21 @@ class AsyncEngine:
                     self._deliver(out)
 
     def _deliver(self, out: RequestOutput) -> None:
-        if self.on_output is not None:
-            self.on_output(out)
-        stream = self._streams.get(out.request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, out)
+        self._deliver_all([out])
+
+    def _deliver_all(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs in one wake-up of each event loop that waits on them: a wake-up
+        per output (64 a step at 64 streams) made the loop thread and the engine thread trade
+        the GIL at every one."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
+        for out in outputs:
+            if self.on_output is not None:
+                self.on_output(out)
+            stream = self._streams.get(out.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream.queue, out))
+        for loop, items in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, items)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id, stream in list(self._streams.items()):
@@ -221,3 +230,8 @@ class AsyncEngine:
         finish_reason "abort"."""
         for request_id in list(self._streams):
             self._post_abort(request_id)
+
+
+def _put_all(items: list[tuple[asyncio.Queue, object]]) -> None:
+    for queue_, item in items:
+        queue_.put_nowait(item)

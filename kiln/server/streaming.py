@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 
 from fastapi import Request
 from starlette.responses import StreamingResponse
@@ -85,9 +86,18 @@ class AbortingStream(StreamingResponse):
             self.on_close()
 
 
-async def sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator[str]:
+async def _merged(streams, firsts) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Every stream's outputs as (stream index, output), in the order they come. One stream
+    (the usual request) is read as it is: a pump task and a queue per output cost the event
+    loop a task switch per token, at every stream. Streams of an abandoned response end
+    through its `on_close`, which aborts their requests."""
+    if len(streams) == 1:
+        if firsts[0] is not None:
+            yield 0, firsts[0]
+        async for out in streams[0]:
+            yield 0, out
+        return
     queue: asyncio.Queue = asyncio.Queue()
-    finals: dict[int, RequestOutput] = {}
 
     async def pump(i: int, stream, first) -> None:
         try:
@@ -99,15 +109,29 @@ async def sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator[
             queue.put_nowait((i, None))
 
     tasks = [asyncio.ensure_future(pump(i, s, f)) for i, (s, f) in enumerate(zip(streams, firsts))]
-    sent_role: set[int] = set()
-    lp_sent: dict[int, int] = {}
     done = 0
     try:
         while done < len(tasks):
             i, out = await queue.get()
             if out is None:
                 done += 1
-                continue
+            else:
+                yield i, out
+    finally:
+        # Cancelled pumps end their streams themselves (a stream aborts its request when its
+        # consumer is cancelled); awaiting or closing the streams here, while the pumps still
+        # iterate them or while this generator is being cancelled, would fail.
+        for t in tasks:
+            t.cancel()
+
+
+async def sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator[str]:
+    finals: dict[int, RequestOutput] = {}
+    sent_role: set[int] = set()
+    lp_sent: dict[int, int] = {}
+    # closed with this generator, so that an abandoned response cancels its pumps at once
+    async with aclosing(_merged(streams, firsts)) as merged:
+        async for i, out in merged:
             if out.finished:
                 finals[i] = out
             for c in out.outputs:
@@ -120,12 +144,6 @@ async def sse(builder: ResponseBuilder, streams, firsts, body) -> AsyncIterator[
                 if body.include_usage:
                     chunk["usage"] = None
                 yield f"data: {json.dumps(chunk)}\n\n"
-        if body.include_usage:
-            yield f"data: {json.dumps(builder.usage_chunk(list(finals.values())))}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        # Cancelled pumps end their streams themselves (a stream aborts its request when its
-        # consumer is cancelled); awaiting or closing the streams here, while the pumps still
-        # iterate them or while this generator is being cancelled, would fail.
-        for t in tasks:
-            t.cancel()
+    if body.include_usage:
+        yield f"data: {json.dumps(builder.usage_chunk(list(finals.values())))}\n\n"
+    yield "data: [DONE]\n\n"
