@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 
 import pytest
@@ -131,3 +132,29 @@ def test_random_weights_skip_the_text_checks_not_the_others():
     assert invalid_reasons(_record(chunks=[(1.0, " x")]), text_checks=False) == [
         "too_few_text_tokens"
     ]
+
+
+def test_a_stream_that_stops_sending_fails_with_the_read_timeout_named():
+    """A server that answers its headers and then nothing: the streamed request ends after the
+    client's read timeout, with an error naming it (a trial then records it as failed)."""
+
+    async def stalled(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n")
+        writer.write(b"transfer-encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(30)  # never sends a byte of the body
+
+    async def run():
+        server = await asyncio.start_server(stalled, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = OpenAIClient(f"http://127.0.0.1:{port}", "m", timeout=0.5)
+        try:
+            return await client.stream_chat([{"role": "user", "content": "hi"}], 4)
+        finally:
+            await client.aclose()
+            server.close()
+
+    result = asyncio.run(run())
+    assert result.error is not None and result.error.startswith("ReadTimeout")
+    assert result.chunks == []

@@ -3,7 +3,6 @@ compile cache), the same probes and suite against each, one side-by-side table."
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import logging
 import os
@@ -11,7 +10,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from kiln.bench.client import BenchError, OpenAIClient
+from kiln.bench.client import BenchError, OpenAIClient, run_client
 from kiln.bench.launcher import (
     external_command,
     free_port,
@@ -96,7 +95,7 @@ def _run_one(
                 settings, text_checks=settings.text_checks and not profile.random_weights
             )
             try:
-                results = asyncio.run(_bench(server.base_url, profile, own, probes, show_progress))
+                results = run_client(_bench(server.base_url, profile, own, probes, show_progress))
             except BenchError as exc:  # a server that crashed mid-run says how
                 raise BenchError(f"{exc}{server.death_note()}") from exc
         finally:

@@ -5,11 +5,10 @@ at its end would be whatever the checkout holds by then."""
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime
 import os
 
-from kiln.bench.client import OpenAIClient
+from kiln.bench.client import OpenAIClient, run_client
 from kiln.bench.matrix import bench_server, matrix_profiles, run_matrix, served_model
 from kiln.bench.prompts import suite_names
 from kiln.bench.report import write_reports
@@ -56,7 +55,7 @@ def run_one(args: argparse.Namespace) -> int:
     if args.profile and (args.profile.endswith(".toml") or args.profile in shipped_profiles()):
         profile = load_profile(args.profile)
         probes, label = profile.probes, profile.name
-    results = asyncio.run(_run(args, settings, label, probes))
+    results = run_client(_run(args, settings, label, probes))
     return _finish(results, _out_dir(args), f"kiln bench run: {label}")
 
 
