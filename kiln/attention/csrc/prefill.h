@@ -4,7 +4,7 @@
 //
 // Query rows are the vector lanes: a group is W rows (token, query head) of one KV head's query
 // heads, token-major, so the G heads sharing a KV head read each key once, and a work item is up
-// to 8 groups sharing each tile of keys. Its queries are
+// to 64 groups sharing each tile of keys. Its queries are
 // transposed once into [head_dim][W]; a key's element is then broadcast against a row of that
 // transpose, so a score for W rows is head_dim fused multiply-adds and a key is never
 // transposed or copied (float32 caches are read in place, bf16 rows widened 16 keys at a time
@@ -14,9 +14,9 @@
 // pair products (exact, summed in float32: 2x the multiply-adds of an instruction), and the
 // softmax weights are rounded to bf16 for them, as torch's flash kernel rounds them for bf16
 // inputs; elsewhere bf16 rows are widened and the weights stay float32. Where the CPU has AMX
-// tiles those pair products are two tile products a step (amx_group_step): 1.9-2.5x the vector
-// path for SmolLM2's and Qwen3's heads on a 2-core Xeon (benchmarks/decode_kernel_ab.py
-// --prefill), the same products summed in another order.
+// tiles those pair products are tile products over 32 keys a step (amx_group_step): 1.9-2.5x
+// the vector path for SmolLM2's and Qwen3's heads on a 2-core Xeon (benchmarks/decode_kernel_ab.py
+// --prefill) when steps were 16 keys, the same products summed in another order.
 //
 // Included by paged_decode.cpp after its helpers (tile_rows); vectorised builds only
 // (KILN_SIMD), the caller keeps torch's flash kernel elsewhere.
@@ -38,7 +38,14 @@ namespace {
 constexpr int64_t PREFILL_KEYS = 16;   // keys per online-softmax step
 constexpr int64_t PREFILL_MAX_DIM = 256;
 constexpr int64_t VALUE_DIMS = 8;      // head dims whose sums stay in registers over a step
-constexpr int64_t PREFILL_GROUPS = 8;  // row groups of W sharing each tile of keys
+// row groups of W sharing each tile of keys: every item reads its KV head's whole context, so
+// fewer, larger items read it fewer times. 64 against 8, a 512-token chunk over 16k keys:
+// 1.09-1.15x (float32), 1.22-1.53x (bf16 on AMX tiles); over 512 keys level
+constexpr int64_t PREFILL_GROUPS = 64;
+// keys per step of the tile path (AMX): a weights tile's full depth (16 pairs), so that a step's
+// sums are loaded, added to and stored once for 32 keys; with 16 keys a step, half of every
+// value product's depth was zeros' room and the sums went through memory twice as often
+constexpr int64_t AMX_KEYS = 32;
 
 struct PrefillShape {
   int64_t heads, kv_heads, head_dim, block_size, table_width;
@@ -109,8 +116,9 @@ inline void score_pairs(const float* qt, const uint16_t* const* k, int64_t D, vf
 
 // vp[j2 * D + d] = (v_2j2[d], v_2j2+1[d]): the tile's value rows in pairs of keys, for pair
 // products against pairs of weights (once per tile, for every group of the item)
+template <int64_t KEYS = PREFILL_KEYS>
 inline void value_pairs(const uint16_t* const* v, int64_t D, uint32_t* vp) {
-  for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) {
+  for (int64_t j2 = 0; j2 < KEYS / 2; ++j2) {
     const uint16_t *a = v[2 * j2], *b = v[2 * j2 + 1];
     uint32_t* dst = vp + j2 * D;
     int64_t d = 0;
@@ -209,11 +217,12 @@ inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D,
 // `slack` > 0: the max moves (every lane's, to its true max) only when some lane's score passes
 // its max by more than slack; otherwise every lane keeps its max, a weight is at most e^slack,
 // and the factor is exactly 1.
+template <int64_t KEYS = PREFILL_KEYS>
 inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l,
                        float slack = 0.f) {
   const vf minus_inf = vset(NEG_INF);
   vf mx = m;
-  for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+  for (int64_t j = 0; j < KEYS; ++j) {
     s[j] = s[j] * vset(scale);
     if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], minus_inf);
     mx = vmax(mx, s[j]);
@@ -221,7 +230,7 @@ inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m
   if (slack > 0.f && !vany_gt(mx, m + vset(slack))) mx = m;  // m = -inf moves on the first step
   const vf alpha = vexp(m - mx);  // 0 (to float32's last bits) on the first step, m = -inf
   vf sum = vzero();
-  for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+  for (int64_t j = 0; j < KEYS; ++j) {
     s[j] = vexp(s[j] - mx);
     if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], vzero());
     sum = sum + s[j];
@@ -263,22 +272,48 @@ struct alignas(64) PrefillTiles {
   uint8_t rows[16] = {};
 };
 
-// 0: scores^T (16 keys x 16 rows, float32); 1: 16 keys x 32 dims (bf16); 2: the rows' query
-// pairs for those 32 dims (16 x 16 pairs); 3: 16 dims of the transposed sums (16 x 16 float32);
-// 4: those dims' values over the 16 keys (16 x 16 bf16); 5: the weights' pairs (8 x 16 pairs)
+// 0, 1: scores^T of the step's two halves (16 keys x 16 rows, float32); 2: the rows' query pairs
+// for 32 dims (16 x 16 pairs); 3: 16 dims of the transposed sums (16 x 16 float32); 4: those
+// dims' values over the 32 keys (16 x 16 pairs); 5: the weights (16 key pairs x 16 rows); 6, 7:
+// the two halves' keys, 32 dims of each (16 x 32 bf16)
 inline void prefill_amx_configure() {
   PrefillTiles cfg;
-  for (int t = 0; t < 6; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-  cfg.colsb[4] = 32;
-  cfg.rows[5] = 8;
+  for (int t = 0; t < 8; ++t) cfg.rows[t] = 16, cfg.colsb[t] = 64;
   _tile_loadconfig(&cfg);
 }
 
-// vt[d * 8 + j2] = vp[j2 * D + d]: the tile's value pairs transposed, dims as tile rows (once
-// per tile, for every group of the item)
+// vt[d * 16 + j2] = vp[j2 * D + d]: the step's 16 rows of value pairs transposed, dims as tile
+// rows (once per step, for every group of the item), 16 x 16 words at a time in registers
 inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
-  for (int64_t d = 0; d < D; ++d)
-    for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) vt[d * 8 + j2] = vp[j2 * D + d];
+  for (int64_t d0 = 0; d0 < D; d0 += 16) {
+    __m512i r[16], u[16];
+    for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_si512(vp + i * D + d0);
+    for (int i = 0; i < 16; i += 2) {  // pairs of rows interleaved by words
+      u[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+      u[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // then by pairs of words
+      for (int k = 0; k < 2; ++k) {
+        r[i + k] = _mm512_unpacklo_epi64(u[i + k], u[i + 2 + k]);
+        r[i + 2 + k] = _mm512_unpackhi_epi64(u[i + k], u[i + 2 + k]);
+      }
+    }
+    // each 128-bit lane q of r[i] (i = 4a + b) now holds dim 4q + (b: 0, 2, 1, 3 -> 0..3) of
+    // rows 4a..4a+3; gather the lanes of the four row quads into whole dims
+    for (int b = 0; b < 4; ++b) {
+      const __m512i x0 = r[b], x1 = r[4 + b], x2 = r[8 + b], x3 = r[12 + b];
+      const __m512i lo01 = _mm512_shuffle_i32x4(x0, x1, 0x44), hi01 = _mm512_shuffle_i32x4(x0, x1, 0xEE);
+      const __m512i lo23 = _mm512_shuffle_i32x4(x2, x3, 0x44), hi23 = _mm512_shuffle_i32x4(x2, x3, 0xEE);
+      u[b] = _mm512_shuffle_i32x4(lo01, lo23, 0x88);       // lane 0
+      u[4 + b] = _mm512_shuffle_i32x4(lo01, lo23, 0xDD);   // lane 1
+      u[8 + b] = _mm512_shuffle_i32x4(hi01, hi23, 0x88);   // lane 2
+      u[12 + b] = _mm512_shuffle_i32x4(hi01, hi23, 0xDD);  // lane 3
+    }
+    constexpr int order[4] = {0, 2, 1, 3};  // r index b -> dim within a lane
+    for (int q = 0; q < 4; ++q)
+      for (int b = 0; b < 4; ++b)
+        _mm512_storeu_si512(vt + (d0 + 4 * q + order[b]) * 16, u[4 * q + b]);
+  }
 }
 
 // The sums live in memory between tile products, so rescaling them is a pass over all of them.
@@ -287,24 +322,31 @@ inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
 // keys most steps skip that pass.
 constexpr float AMX_MAX_SLACK = 8.f;
 
-// One step of a group by tile products: keys (16 rows of the tile, `key_stride` bytes apart,
-// zeros past n), vt the values from transpose_value_pairs
-inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* keys, int64_t key_stride,
-                           const uint32_t* vt, int64_t D, float scale) {
-  alignas(64) float scores[PREFILL_KEYS * W];
+// One step of a group by tile products over AMX_KEYS keys: each half's 16 key rows
+// `key_stride` bytes apart (zeros past the context), vt the values from transpose_value_pairs
+inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* const* keys,
+                           const int64_t* key_stride, const uint32_t* vt, int64_t D,
+                           float scale) {
+  alignas(64) float scores[AMX_KEYS * W];
   _tile_zero(0);
+  _tile_zero(1);
   for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(1, keys + c * 32, key_stride);
     _tile_loadd(2, g.qt + c * 16 * W, W * 4);
-    _tile_dpbf16ps(0, 1, 2);
+    _tile_loadd(6, keys[0] + c * 32, key_stride[0]);
+    _tile_loadd(7, keys[1] + c * 32, key_stride[1]);
+    _tile_dpbf16ps(0, 6, 2);
+    _tile_dpbf16ps(1, 7, 2);
   }
   _tile_stored(0, scores, W * 4);
-  vf s[PREFILL_KEYS];
-  for (int64_t j = 0; j < PREFILL_KEYS; ++j) s[j] = vload(scores + j * W);
-  const bool causal = t + PREFILL_KEYS > g.first_hidden;
-  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l, AMX_MAX_SLACK);
-  alignas(64) uint32_t weights[PREFILL_KEYS / 2 * W];  // weights rounded to bf16, in key pairs
-  for (int64_t j2 = 0; j2 < PREFILL_KEYS / 2; ++j2) {
+  _tile_stored(1, scores + 16 * W, W * 4);
+  // the softmax works on the stored scores in place: 32 vectors do not fit the registers, and
+  // a copy of them was a 2 KiB memcpy a step
+  vf* s = reinterpret_cast<vf*>(scores);
+  const bool causal = t + AMX_KEYS > g.first_hidden;
+  const vf alpha =
+      softmax_step<AMX_KEYS>(s, t, causal, viload(g.pos), scale, g.m, g.l, AMX_MAX_SLACK);
+  alignas(64) uint32_t weights[AMX_KEYS / 2 * W];  // weights rounded to bf16, in key pairs
+  for (int64_t j2 = 0; j2 < AMX_KEYS / 2; ++j2) {
     const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2]));
     const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2 + 1]));
     _mm512_store_si512(weights + j2 * W, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
@@ -314,10 +356,36 @@ inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* keys, int64_t
   _tile_loadd(5, weights, W * 4);
   for (int64_t c = 0; c < D / 16; ++c) {
     _tile_loadd(3, g.acc + c * 16 * W, W * 4);
-    _tile_loadd(4, vt + c * 16 * 8, 32);
+    _tile_loadd(4, vt + c * 16 * 16, 64);
     _tile_dpbf16ps(3, 4, 5);
     _tile_stored(3, g.acc + c * 16 * W, W * 4);
   }
+}
+
+// One AMX step of every group over keys [t, t + n): the keys where they lie in the cache when
+// a half's 16 rows are evenly apart (every row checked: blocks under 16 tokens put a half
+// across several blocks), else staged; the values paired and transposed once for all groups
+inline void amx_items_step(RowGroup* rg, int64_t groups, int64_t t, int64_t n,
+                           const uint16_t* const* kb, const uint16_t* const* vb,
+                           const int64_t* rows, int64_t row_elems, int64_t D, float scale,
+                           uint16_t* kstage, uint32_t* vpairs, uint32_t* vt) {
+  const uint16_t* keys[2];
+  int64_t stride[2];
+  for (int64_t half = 0; half < 2; ++half) {
+    const int64_t j0 = 16 * half;
+    bool in_place = n >= j0 + 16;
+    for (int64_t j = 1; in_place && j < 16; ++j) in_place = rows[j0 + j] == rows[j0] + j * row_elems;
+    if (in_place) {
+      keys[half] = kb[j0], stride[half] = row_elems * 2;
+    } else {
+      for (int64_t j = 0; j < 16; ++j) std::memcpy(kstage + (j0 + j) * D, kb[j0 + j], D * 2);
+      keys[half] = kstage + j0 * D, stride[half] = D * 2;
+    }
+  }
+  value_pairs<AMX_KEYS>(vb, D, vpairs);
+  transpose_value_pairs(vpairs, D, vt);
+  for (int64_t i = 0; i < groups; ++i)
+    if (t < rg[i].keys) amx_group_step(rg[i], t, keys, stride, vt, D, scale);
 }
 #endif
 
@@ -380,24 +448,31 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
 #endif
     keys = std::max(keys, g.keys);
   }
-  int64_t rows[PREFILL_KEYS];
+  int64_t rows[AMX_KEYS];
   const float *kp[PREFILL_KEYS], *vp[PREFILL_KEYS];
-  const uint16_t *kb[PREFILL_KEYS], *vb[PREFILL_KEYS];
-  alignas(64) uint32_t vpairs[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
+  const uint16_t *kb[AMX_KEYS], *vb[AMX_KEYS];
+  alignas(64) uint32_t vpairs[AMX_KEYS / 2 * PREFILL_MAX_DIM];
+  int64_t step = PREFILL_KEYS;
 #if defined(KILN_PREFILL_AMX)
   const bool amx = pairs && prefill_amx(D);
-  alignas(64) uint32_t vt[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
-  alignas(64) uint16_t kstage[PREFILL_KEYS * PREFILL_MAX_DIM];
-  if (amx) prefill_amx_configure();
+  alignas(64) uint32_t vt[AMX_KEYS / 2 * PREFILL_MAX_DIM];
+  alignas(64) uint16_t kstage[AMX_KEYS * PREFILL_MAX_DIM];
+  if (amx) prefill_amx_configure(), step = AMX_KEYS;
 #endif
-  for (int64_t t = 0; t < keys; t += PREFILL_KEYS) {
-    const int64_t n = std::min(PREFILL_KEYS, keys - t);
+  for (int64_t t = 0; t < keys; t += step) {
+    const int64_t n = std::min(step, keys - t);
     tile_rows(c.table, t, n, sh.block_size, row_elems, rows);
     if constexpr (pairs) {
-      for (int64_t j = 0; j < PREFILL_KEYS; ++j) {
+      for (int64_t j = 0; j < step; ++j) {
         kb[j] = j < n ? reinterpret_cast<const uint16_t*>(kc + rows[j] + h * HS) : zero_pairs;
         vb[j] = j < n ? reinterpret_cast<const uint16_t*>(vc + rows[j] + h * HS) : zero_pairs;
       }
+#if defined(KILN_PREFILL_AMX)
+      if (amx) {
+        amx_items_step(rg, groups, t, n, kb, vb, rows, row_elems, D, sh.scale, kstage, vpairs, vt);
+        continue;
+      }
+#endif
 #if defined(__AVX512BF16__)
       value_pairs(vb, D, vpairs);
 #endif
@@ -405,27 +480,6 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
       float_rows(kc, rows, n, h * HS, D, kbuf, zeros, kp);
       float_rows(vc, rows, n, h * HS, D, vbuf, zeros, vp);
     }
-#if defined(KILN_PREFILL_AMX)
-    if (amx) {
-      if constexpr (pairs) {
-        // the tile's keys where they lie when they are 16 rows evenly apart (every row checked:
-        // blocks under 8 tokens put a tile across several blocks), else staged
-        const uint16_t* keys_at = reinterpret_cast<const uint16_t*>(kc + rows[0] + h * HS);
-        int64_t key_stride = row_elems * 2;
-        bool in_place = n == PREFILL_KEYS;
-        for (int64_t j = 1; in_place && j < PREFILL_KEYS; ++j)
-          in_place = rows[j] == rows[0] + j * row_elems;
-        if (!in_place) {
-          for (int64_t j = 0; j < PREFILL_KEYS; ++j) std::memcpy(kstage + j * D, kb[j], D * 2);
-          keys_at = kstage, key_stride = D * 2;
-        }
-        transpose_value_pairs(vpairs, D, vt);
-        for (int64_t i = 0; i < groups; ++i)
-          if (t < rg[i].keys) amx_group_step(rg[i], t, keys_at, key_stride, vt, D, sh.scale);
-      }
-      continue;
-    }
-#endif
     for (int64_t i = 0; i < groups; ++i)
       if (t < rg[i].keys)
         group_step<pairs>(rg[i], t, std::min(n, rg[i].keys - t), kp, kb, vp, vpairs, D,
