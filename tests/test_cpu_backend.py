@@ -530,10 +530,10 @@ def test_the_prefill_kernel_matches_attention_by_hand(dtype, shape, build, threa
     one thread (work items of several groups sharing each tile) and 16 (one group each);
     float32, bf16, and queries over a bf16 or an int8 cache, against float64 by hand over what
     the cache holds. Blocks in order too: on a CPU with AMX, bf16 over bf16 takes tile products
-    that read a tile's 16 keys in place where they lie evenly apart, and a copy of them where
-    not (fragmented blocks, a tile's last keys); and blocks of 2 keys in order but for
-    swapped neighbours, where a tile's 8 blocks can end 15 rows apart with the ones between
-    out of order."""
+    over steps of 32 keys that read each half's 16 keys in place where they lie evenly apart,
+    and a copy of them where not (fragmented blocks, a context's last keys); and blocks of 2
+    keys in order but for swapped neighbours, where a half's 8 blocks can end 15 rows apart
+    with the ones between out of order."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
     dtype, kv_dtype = _kernel_types(dtype)
