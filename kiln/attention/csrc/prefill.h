@@ -42,10 +42,12 @@ constexpr int64_t VALUE_DIMS = 8;      // head dims whose sums stay in registers
 // fewer, larger items read it fewer times. 64 against 8, a 512-token chunk over 16k keys:
 // 1.09-1.15x (float32), 1.22-1.53x (bf16 on AMX tiles); over 512 keys level
 constexpr int64_t PREFILL_GROUPS = 64;
-// keys per step of the tile path (AMX): a weights tile's full depth (16 pairs), so that a step's
-// sums are loaded, added to and stored once for 32 keys; with 16 keys a step, half of every
-// value product's depth was zeros' room and the sums went through memory twice as often
-constexpr int64_t AMX_KEYS = 32;
+// The tile path (AMX) takes keys 128 at a time: a group's sums, which live in memory between
+// tile products, are loaded and stored once per 128 keys, with four value products of a weights
+// tile's full depth (16 pairs: 32 keys) in between. Steps of 16 keys used half that depth and
+// moved the sums eight times as often; with a work item's 64 groups the sums stream from L2.
+constexpr int64_t AMX_KEYS = 128;
+constexpr int64_t AMX_SUB = 32;  // keys per value product, and per pair of score tiles
 
 struct PrefillShape {
   int64_t heads, kv_heads, head_dim, block_size, table_width;
@@ -217,12 +219,12 @@ inline void add_values(const vf* p, int64_t n, const float* const* v, int64_t D,
 // `slack` > 0: the max moves (every lane's, to its true max) only when some lane's score passes
 // its max by more than slack; otherwise every lane keeps its max, a weight is at most e^slack,
 // and the factor is exactly 1.
-template <int64_t KEYS = PREFILL_KEYS>
+// `count`: the keys of the step (PREFILL_KEYS, or fewer on the tile path's last step).
 inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m, vf& l,
-                       float slack = 0.f) {
+                       float slack = 0.f, int64_t count = PREFILL_KEYS) {
   const vf minus_inf = vset(NEG_INF);
   vf mx = m;
-  for (int64_t j = 0; j < KEYS; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     s[j] = s[j] * vset(scale);
     if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], minus_inf);
     mx = vmax(mx, s[j]);
@@ -230,7 +232,7 @@ inline vf softmax_step(vf* s, int64_t t, bool causal, vi pos, float scale, vf& m
   if (slack > 0.f && !vany_gt(mx, m + vset(slack))) mx = m;  // m = -inf moves on the first step
   const vf alpha = vexp(m - mx);  // 0 (to float32's last bits) on the first step, m = -inf
   vf sum = vzero();
-  for (int64_t j = 0; j < KEYS; ++j) {
+  for (int64_t j = 0; j < count; ++j) {
     s[j] = vexp(s[j] - mx);
     if (causal) s[j] = vselect_le(viset(static_cast<int32_t>(t + j)), pos, s[j], vzero());
     sum = sum + s[j];
@@ -282,7 +284,7 @@ inline void prefill_amx_configure() {
   _tile_loadconfig(&cfg);
 }
 
-// vt[d * 16 + j2] = vp[j2 * D + d]: the step's 16 rows of value pairs transposed, dims as tile
+// vt[d * 16 + j2] = vp[j2 * D + d]: 16 rows of value pairs (32 keys) transposed, dims as tile
 // rows (once per step, for every group of the item), 16 x 16 words at a time in registers
 inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
   for (int64_t d0 = 0; d0 < D; d0 += 16) {
@@ -322,70 +324,86 @@ inline void transpose_value_pairs(const uint32_t* vp, int64_t D, uint32_t* vt) {
 // keys most steps skip that pass.
 constexpr float AMX_MAX_SLACK = 8.f;
 
-// One step of a group by tile products over AMX_KEYS keys: each half's 16 key rows
-// `key_stride` bytes apart (zeros past the context), vt the values from transpose_value_pairs
-inline void amx_group_step(RowGroup& g, int64_t t, const uint16_t* const* keys,
-                           const int64_t* key_stride, const uint32_t* vt, int64_t D,
+// A step's keys and values as the tile products read them, shared by the groups of an item:
+// for each 16 keys, where their rows start and how far apart (in place in the cache, or
+// staged); for each 32 keys, their value pairs transposed (transpose_value_pairs)
+struct AmxStep {
+  const uint16_t* keys[AMX_KEYS / 16];
+  int64_t stride[AMX_KEYS / 16];
+  uint16_t* kstage;  // [AMX_KEYS][D]
+  uint32_t* vpairs;  // [AMX_SUB / 2][D]
+  uint32_t* vt;      // [AMX_KEYS / AMX_SUB][D][16]
+  float* scores;     // [AMX_KEYS][W]
+  uint32_t* weights; // [AMX_KEYS / 2][W]
+};
+
+// One step of a group by tile products over its keys among [t, t + n): 32 at a time, as far as
+// its last row's position reaches
+inline void amx_group_step(RowGroup& g, int64_t t, int64_t n, const AmxStep& st, int64_t D,
                            float scale) {
-  alignas(64) float scores[AMX_KEYS * W];
-  _tile_zero(0);
-  _tile_zero(1);
-  for (int64_t c = 0; c < D / 32; ++c) {
-    _tile_loadd(2, g.qt + c * 16 * W, W * 4);
-    _tile_loadd(6, keys[0] + c * 32, key_stride[0]);
-    _tile_loadd(7, keys[1] + c * 32, key_stride[1]);
-    _tile_dpbf16ps(0, 6, 2);
-    _tile_dpbf16ps(1, 7, 2);
+  const int64_t subs = (std::min(n, g.keys - t) + AMX_SUB - 1) / AMX_SUB;
+  for (int64_t sub = 0; sub < subs; ++sub) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < D / 32; ++c) {
+      _tile_loadd(2, g.qt + c * 16 * W, W * 4);
+      _tile_loadd(6, st.keys[2 * sub] + c * 32, st.stride[2 * sub]);
+      _tile_loadd(7, st.keys[2 * sub + 1] + c * 32, st.stride[2 * sub + 1]);
+      _tile_dpbf16ps(0, 6, 2);
+      _tile_dpbf16ps(1, 7, 2);
+    }
+    _tile_stored(0, st.scores + sub * AMX_SUB * W, W * 4);
+    _tile_stored(1, st.scores + (sub * AMX_SUB + 16) * W, W * 4);
   }
-  _tile_stored(0, scores, W * 4);
-  _tile_stored(1, scores + 16 * W, W * 4);
-  // the softmax works on the stored scores in place: 32 vectors do not fit the registers, and
-  // a copy of them was a 2 KiB memcpy a step
-  vf* s = reinterpret_cast<vf*>(scores);
-  const bool causal = t + AMX_KEYS > g.first_hidden;
-  const vf alpha =
-      softmax_step<AMX_KEYS>(s, t, causal, viload(g.pos), scale, g.m, g.l, AMX_MAX_SLACK);
-  alignas(64) uint32_t weights[AMX_KEYS / 2 * W];  // weights rounded to bf16, in key pairs
-  for (int64_t j2 = 0; j2 < AMX_KEYS / 2; ++j2) {
+  // the softmax works on the stored scores in place: they do not fit the registers
+  vf* s = reinterpret_cast<vf*>(st.scores);
+  const int64_t count = subs * AMX_SUB;
+  const bool causal = t + count > g.first_hidden;
+  const vf alpha = softmax_step(s, t, causal, viload(g.pos), scale, g.m, g.l, AMX_MAX_SLACK,
+                                count);
+  for (int64_t j2 = 0; j2 < count / 2; ++j2) {  // weights rounded to bf16, in key pairs
     const __m512i lo = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2]));
     const __m512i hi = _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(s[2 * j2 + 1]));
-    _mm512_store_si512(weights + j2 * W, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
+    _mm512_store_si512(st.weights + j2 * W, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
   }
   if (vany_gt(vset(1.f), alpha))
     for (int64_t d = 0; d < D; ++d) vstore(g.acc + d * W, vload(g.acc + d * W) * alpha);
-  _tile_loadd(5, weights, W * 4);
   for (int64_t c = 0; c < D / 16; ++c) {
     _tile_loadd(3, g.acc + c * 16 * W, W * 4);
-    _tile_loadd(4, vt + c * 16 * 16, 64);
-    _tile_dpbf16ps(3, 4, 5);
+    for (int64_t sub = 0; sub < subs; ++sub) {
+      _tile_loadd(4, st.vt + (sub * D + c * 16) * 16, 64);
+      _tile_loadd(5, st.weights + sub * (AMX_SUB / 2) * W, W * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
     _tile_stored(3, g.acc + c * 16 * W, W * 4);
   }
 }
 
-// One AMX step of every group over keys [t, t + n): the keys where they lie in the cache when
-// a half's 16 rows are evenly apart (every row checked: blocks under 16 tokens put a half
-// across several blocks), else staged; the values paired and transposed once for all groups
+// One AMX step of every group over keys [t, t + n): a 16-key run's rows read where they lie in
+// the cache when evenly apart (every row checked: blocks under 16 tokens put a run across
+// several blocks), else staged; the values paired and transposed once for all groups
 inline void amx_items_step(RowGroup* rg, int64_t groups, int64_t t, int64_t n,
                            const uint16_t* const* kb, const uint16_t* const* vb,
                            const int64_t* rows, int64_t row_elems, int64_t D, float scale,
-                           uint16_t* kstage, uint32_t* vpairs, uint32_t* vt) {
-  const uint16_t* keys[2];
-  int64_t stride[2];
-  for (int64_t half = 0; half < 2; ++half) {
-    const int64_t j0 = 16 * half;
+                           AmxStep& st) {
+  const int64_t subs = (n + AMX_SUB - 1) / AMX_SUB;
+  for (int64_t run = 0; run < 2 * subs; ++run) {
+    const int64_t j0 = 16 * run;
     bool in_place = n >= j0 + 16;
     for (int64_t j = 1; in_place && j < 16; ++j) in_place = rows[j0 + j] == rows[j0] + j * row_elems;
     if (in_place) {
-      keys[half] = kb[j0], stride[half] = row_elems * 2;
+      st.keys[run] = kb[j0], st.stride[run] = row_elems * 2;
     } else {
-      for (int64_t j = 0; j < 16; ++j) std::memcpy(kstage + (j0 + j) * D, kb[j0 + j], D * 2);
-      keys[half] = kstage + j0 * D, stride[half] = D * 2;
+      for (int64_t j = 0; j < 16; ++j) std::memcpy(st.kstage + (j0 + j) * D, kb[j0 + j], D * 2);
+      st.keys[run] = st.kstage + j0 * D, st.stride[run] = D * 2;
     }
   }
-  value_pairs<AMX_KEYS>(vb, D, vpairs);
-  transpose_value_pairs(vpairs, D, vt);
+  for (int64_t sub = 0; sub < subs; ++sub) {
+    value_pairs<AMX_SUB>(vb + sub * AMX_SUB, D, st.vpairs);
+    transpose_value_pairs(st.vpairs, D, st.vt + sub * D * 16);
+  }
   for (int64_t i = 0; i < groups; ++i)
-    if (t < rg[i].keys) amx_group_step(rg[i], t, keys, stride, vt, D, scale);
+    if (t < rg[i].keys) amx_group_step(rg[i], t, n, st, D, scale);
 }
 #endif
 
@@ -451,13 +469,24 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
   int64_t rows[AMX_KEYS];
   const float *kp[PREFILL_KEYS], *vp[PREFILL_KEYS];
   const uint16_t *kb[AMX_KEYS], *vb[AMX_KEYS];
-  alignas(64) uint32_t vpairs[AMX_KEYS / 2 * PREFILL_MAX_DIM];
+  alignas(64) uint32_t vpairs[PREFILL_KEYS / 2 * PREFILL_MAX_DIM];
   int64_t step = PREFILL_KEYS;
 #if defined(KILN_PREFILL_AMX)
   const bool amx = pairs && prefill_amx(D);
-  alignas(64) uint32_t vt[AMX_KEYS / 2 * PREFILL_MAX_DIM];
-  alignas(64) uint16_t kstage[AMX_KEYS * PREFILL_MAX_DIM];
-  if (amx) prefill_amx_configure(), step = AMX_KEYS;
+  std::vector<float> amx_buffers;  // 64-byte aligned pieces: AmxStep's
+  AmxStep st;
+  if (amx) {
+    const int64_t floats =
+        AMX_KEYS * D / 2 + AMX_SUB / 2 * D + AMX_KEYS / 2 * D + AMX_KEYS * W + AMX_KEYS / 2 * W;
+    amx_buffers.resize(floats + 16);
+    float* p = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(amx_buffers.data()) + 63) & ~uintptr_t(63));
+    st.kstage = reinterpret_cast<uint16_t*>(p), p += AMX_KEYS * D / 2;
+    st.vpairs = reinterpret_cast<uint32_t*>(p), p += AMX_SUB / 2 * D;
+    st.vt = reinterpret_cast<uint32_t*>(p), p += AMX_KEYS / 2 * D;
+    st.scores = p, p += AMX_KEYS * W;
+    st.weights = reinterpret_cast<uint32_t*>(p);
+    prefill_amx_configure(), step = AMX_KEYS;
+  }
 #endif
   for (int64_t t = 0; t < keys; t += step) {
     const int64_t n = std::min(step, keys - t);
@@ -469,7 +498,7 @@ void prefill_groups(const T* q, const KV* kc, const KV* vc, const PrefillChunk& 
       }
 #if defined(KILN_PREFILL_AMX)
       if (amx) {
-        amx_items_step(rg, groups, t, n, kb, vb, rows, row_elems, D, sh.scale, kstage, vpairs, vt);
+        amx_items_step(rg, groups, t, n, kb, vb, rows, row_elems, D, sh.scale, st);
         continue;
       }
 #endif
