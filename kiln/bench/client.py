@@ -65,6 +65,7 @@ class OpenAIClient:
                 headers=self.headers,
                 timeout=self.timeout,
                 connector=aiohttp.TCPConnector(limit=1024),
+                trust_env=True,  # HTTP(S)_PROXY and NO_PROXY, as httpx and curl read them
                 read_bufsize=1 << 20,  # one event of a stream is one line; logprobs make it long
             )
         return self._session
