@@ -68,6 +68,83 @@ def test_the_kernel_matches_a_product_by_hand(build):
                     assert (err <= tolerance).all(), (n, k, rows, err.max().item())
 
 
+def _silu_mul_by_hand(x, w, n):
+    """silu(x W_gate) * (x W_up) in float64, and a tolerance: one bf16 rounding of the result
+    plus the float32 sums' error carried through silu (|silu'| < 1.1) and the product."""
+    full = x.double() @ w.double().t()
+    scale = x.double().abs() @ w.double().abs().t()
+    gate, up = full[:, :n], full[:, n:]
+    want = torch.nn.functional.silu(gate) * up
+    carried = 1.1 * up.abs() * scale[:, :n] + (gate.abs() + 1) * scale[:, n:]
+    return want, want.abs() * 2.0**-8 + carried * 1e-6 + 1e-30
+
+
+@pytest.mark.parametrize("build", ["native", "portable"])
+def test_the_gated_kernel_matches_silu_of_the_gate_times_up_by_hand(build):
+    """SwiGLU's activation fused into the gate/up product: rows 1 to 33 (the vector path's
+    tiles of 8, one and two blocks of 16 on AMX tiles), 1 to 6 output vectors, k from 32 to
+    576, gates large enough (x 4) that silu meets both its tails, 1 and 3 threads."""
+    kernel = _build(build)
+    g = torch.Generator().manual_seed(2)
+    for n, k in [(16, 64), (48, 576), (96, 32), (32, 130)]:
+        w = torch.randn(2 * n, k, generator=g) * torch.tensor([4.0] * n + [1.0] * n)[:, None]
+        w = w.to(torch.bfloat16)
+        packed = pack_pairs(w)
+        for rows in (1, 2, 7, 8, 9, 16, 17, 33):
+            x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+            want, tolerance = _silu_mul_by_hand(x, w, n)
+            for threads in (1, 3):
+                before = torch.get_num_threads()
+                torch.set_num_threads(threads)
+                try:
+                    got = kernel.silu_mul(x, packed, n)
+                finally:
+                    torch.set_num_threads(before)
+                assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
+                err = (got.double() - want).abs()
+                assert (err <= tolerance).all(), (n, k, rows, err.max().item())
+
+
+def test_a_gated_product_that_does_not_fit_is_refused():
+    """The gate and up halves must fill the packed vectors exactly, n a multiple of 16."""
+    kernel = _build("portable")
+    x = torch.randn(3, 8).bfloat16()
+    assert kernel.silu_mul(x, pack_pairs(torch.randn(32, 8).bfloat16()), 16).shape == (3, 16)
+    for w, n in [(torch.randn(40, 8), 20), (torch.randn(64, 8), 16), (torch.randn(32, 6), 16)]:
+        with pytest.raises(ValueError, match="do not fit"):
+            kernel.silu_mul(x, pack_pairs(w.bfloat16()), n)
+
+
+def test_a_bf16_swiglu_takes_the_fused_activation_where_its_linears_run_on_the_kernel():
+    """A bf16 SwiGLU whose gate/up layer took kiln's kernel fuses the activation into it; on
+    oneDNN (or with an intermediate size that is not whole vectors) it is a separate op; both
+    give silu(x W_gate) * (x W_up) W_down within bf16's roundings."""
+    from kiln.layers.mlp import SwiGLU
+
+    g = torch.Generator().manual_seed(3)
+    for intermediate in (48, 40):
+        mlp = SwiGLU(64, intermediate).to(torch.bfloat16)
+        gate_up = torch.randn(2 * intermediate, 64, generator=g).bfloat16()
+        down = torch.randn(64, intermediate, generator=g).bfloat16() * 0.1
+        mlp.gate_up_proj.load_weight("gate_up", gate_up)
+        mlp.down_proj.load_weight("down", down)
+        mlp.gate_up_proj.finalize(torch.device("cpu"))
+        mlp.down_proj.finalize(torch.device("cpu"))
+        kernel_runs = bf16_kernel.kernel_runs_here()
+        assert mlp.fused() == (kernel_runs and intermediate % 16 == 0)
+        x = torch.randn(5, 64, generator=g).bfloat16()
+        hidden, _ = _silu_mul_by_hand(x, gate_up, intermediate)
+        want = hidden @ down.double().t()
+        tolerance = 0.02 * want.abs().max().item()
+        for layout in ("fused or not", "onednn"):
+            if layout == "onednn":
+                mlp.gate_up_proj.use_onednn()
+                assert not mlp.fused()
+            got = mlp(x)
+            assert got.dtype == torch.bfloat16 and got.shape == (5, 64)
+            assert (got.double() - want).abs().max().item() <= tolerance, layout
+
+
 def test_packing_is_pairs_of_columns_and_comes_back():
     """Column c of vector v holds (w[16v + c, 2q], w[16v + c, 2q + 1]) at pair q; the padding
     is zeros; unpacking gives the weight back exactly."""

@@ -31,7 +31,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
     """kiln's ops that Inductor may leave in a compiled piece, with their implementations."""
     from kiln.attention.cpu_backend import cpu_paged_attention
     from kiln.attention.torch_backend import torch_paged_attention
-    from kiln.layers.bf16_kernel import _pairs_linear
+    from kiln.layers.bf16_kernel import _pairs_linear, _pairs_silu_mul
     from kiln.layers.gated_deltanet import _gdn_core
     from kiln.layers.moe import _moe_experts
     from kiln.layers.packed import _int4_or_dense_mm, int4_matmul
@@ -42,6 +42,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
         kiln.cpu_paged_attention.default: cpu_paged_attention,
         kiln.torch_paged_attention.default: torch_paged_attention,
         kiln.bf16_mm.default: _pairs_linear,
+        kiln.bf16_mm_silu_mul.default: _pairs_silu_mul,
         kiln.gdn_core.default: _gdn_core,
         kiln.moe_experts.default: _moe_experts,
         kiln.int4_mm.default: int4_matmul,

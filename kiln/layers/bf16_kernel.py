@@ -56,6 +56,22 @@ class Bf16MatmulKernel:
         )  # fmt: skip
         return out
 
+    def silu_mul(self, rows: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+        """A gated MLP's activation fused into its product: bf16 [R, K] rows times the packed
+        [2n, K] weight of its gate (first n columns) and up projection (last n), then
+        silu(gate) * up from the float32 sums, rounded once -> bf16 [R, n]; n % 16 == 0."""
+        m, k = rows.shape
+        if k != 2 * packed.shape[1] or n % COLUMNS or packed.shape[0] * COLUMNS != 2 * n:
+            raise ValueError(
+                f"bf16_mm_silu_mul: rows {tuple(rows.shape)}, packed {tuple(packed.shape)}, "
+                f"n {n} do not fit (the weight holds 2n columns, n a multiple of {COLUMNS})"
+            )
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        self.library.kiln_bf16_mm_silu_mul(
+            rows.data_ptr(), m, k, packed.data_ptr(), n, out.data_ptr(), torch.get_num_threads()
+        )
+        return out
+
 
 def pack_pairs(weight: torch.Tensor) -> torch.Tensor:
     """A bf16 [N, K] weight (K even) as [ceil(N/16), K/2, 16, 2]: for every 16 output columns
@@ -139,6 +155,9 @@ def load_bf16_matmul(flags: tuple[str, ...]) -> Bf16MatmulKernel:
     library.kiln_bf16_mm_isa.restype = ctypes.c_int
     library.kiln_bf16_mm.restype = None
     library.kiln_bf16_mm.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ctypes.c_int]
+    if hasattr(library, "kiln_bf16_mm_silu_mul"):  # absent from a source before it (an A/B)
+        library.kiln_bf16_mm_silu_mul.restype = None
+        library.kiln_bf16_mm_silu_mul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ctypes.c_int]
     amx = getattr(library, "kiln_bf16_mm_amx", None)  # None: a source from before it (an A/B)
     if amx is not None:
         amx.restype = ctypes.c_int
@@ -158,17 +177,28 @@ def describe_bf16_kernel(fallback: str = "oneDNN") -> str:
     return "kiln's C++ kernel built with AVX512-BF16"
 
 
-def _pairs_linear(
-    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
-) -> torch.Tensor:
+def _kernel_and_rows(x: torch.Tensor, op: str) -> tuple[Bf16MatmulKernel, torch.Tensor]:
     kernel = bf16_matmul_kernel()
     if kernel is None:  # a graph traced where the kernel ran, called where it does not
-        raise RuntimeError("kiln::bf16_mm needs kiln's bf16 kernel, which is not built here")
+        raise RuntimeError(f"kiln::{op} needs kiln's bf16 kernel, which is not built here")
     # a decode step makes ~120 of these calls: no reshape, cast or copy that is not needed
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.dtype != torch.bfloat16 or not rows.is_contiguous():
         rows = rows.to(torch.bfloat16).contiguous()
+    return kernel, rows
+
+
+def _pairs_linear(
+    x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None
+) -> torch.Tensor:
+    kernel, rows = _kernel_and_rows(x, "bf16_mm")
     y = kernel.matmul(rows, packed, n, bias)
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
+
+
+def _pairs_silu_mul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    kernel, rows = _kernel_and_rows(x, "bf16_mm_silu_mul")
+    y = kernel.silu_mul(rows, packed, n)
     return y if x.dim() == 2 else y.view(*x.shape[:-1], n)
 
 
@@ -182,6 +212,13 @@ torch.library.register_fake(
     lambda x, packed, n, bias: x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16),
     lib=_LIB,
 )
+_LIB.define("bf16_mm_silu_mul(Tensor x, Tensor packed, int n) -> Tensor")
+_LIB.impl("bf16_mm_silu_mul", _pairs_silu_mul, "CompositeExplicitAutograd")
+torch.library.register_fake(
+    "kiln::bf16_mm_silu_mul",
+    lambda x, packed, n: x.new_empty(*x.shape[:-1], n, dtype=torch.bfloat16),
+    lib=_LIB,
+)
 
 
 def pairs_linear(
@@ -191,3 +228,11 @@ def pairs_linear(
     if torch.compiler.is_compiling():
         return torch.ops.kiln.bf16_mm(x, packed, n, bias)
     return _pairs_linear(x, packed, n, bias)
+
+
+def pairs_silu_mul(x: torch.Tensor, packed: torch.Tensor, n: int) -> torch.Tensor:
+    """silu(x W_gate) * (x W_up) for a `pack_pairs` weight of 2n columns (gate, then up):
+    bf16 [..., n], the activation applied to the product's float32 sums (`silu_mul`)."""
+    if torch.compiler.is_compiling():
+        return torch.ops.kiln.bf16_mm_silu_mul(x, packed, n)
+    return _pairs_silu_mul(x, packed, n)
