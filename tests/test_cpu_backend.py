@@ -604,6 +604,39 @@ def test_the_prefill_kernel_follows_scores_that_climb_tile_by_tile(dtype, build)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("build", ["native", "avx512"])
+def test_the_decode_kernel_follows_scores_that_climb_step_by_step(dtype, build):
+    """Decode rows over keys whose scores rise by 10 every 16 keys (KV head 0's queries), by 3
+    (head 1's) and fall by 3 (head 2's): the bf16 path moves a head's running max only when a
+    score passes it by more than 8, so head 0's sums are rescaled at every step of 32 keys, head
+    1's every other step, head 2's never after the first. Rows of 600 keys (split into ranges
+    and merged) and 37 must still get the softmax: mostly the last keys' values for head 0, a
+    spread for head 1, the first keys' for head 2."""
+    kernel = _kernel_build(build)
+    heads, kv_heads, dim, lens = 9, 3, 64, [600, 37]
+    g = torch.Generator().manual_seed(11)
+    direction = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
+    slots = 640  # 10 blocks of 64
+    ramp = torch.tensor([10.0, 3.0, -3.0])[None, :] * (torch.arange(slots) // 16)[:, None]
+    keys = ramp[..., None] * direction * dim**0.5 / 8 + 0.1 * torch.randn(
+        slots, kv_heads, dim, generator=g
+    )
+    caches = torch.stack([keys, torch.randn(slots, kv_heads, dim, generator=g)])
+    caches = caches.view(2, -1, 64, kv_heads, dim).to(dtype)
+    q = (8 * direction + 0.1 * torch.randn(len(lens), heads, dim, generator=g)).to(dtype)
+    tables = torch.arange(10, dtype=torch.int32).expand(len(lens), -1).contiguous()
+    out = torch.full_like(q, float("nan"))
+    kernel.run(q, caches[0], caches[1], tables, torch.tensor(lens, dtype=torch.int32), out,
+               dim**-0.5)  # fmt: skip
+    k, v = (c.reshape(-1, kv_heads, dim).double().repeat_interleave(3, 1) for c in caches)
+    for row, n in enumerate(lens):
+        scores = torch.einsum("hd,khd->hk", q[row].double(), k[:n]) * dim**-0.5
+        want = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v[:n])
+        tol = 1e-4 if dtype == torch.float32 else 1e-2
+        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+
+
 def test_an_unknown_decode_kernel_choice_is_refused():
     with pytest.raises(ValueError, match='"auto", "on" or "off"'):
         _backend(torch.float32, CpuAttentionTuning(decode_kernel="yes"))

@@ -11,7 +11,10 @@
 //   AVX512-BF16's pair products ran at a quarter of FMA's rate there.
 // - Each head's unreduced products of 16 keys reduced by one transposing add tree into a vector
 //   of 16 scores, where a horizontal sum per key and head was most of the scores' time.
-// - The online softmax on those vectors, 32 keys an update, where a scalar running max was.
+// - The online softmax on those vectors, 32 keys an update, where a scalar running max was. A
+//   head's max moves only when a score passes it by more than 8, and its sums stay 16 lanes
+//   until the range ends: 1.07-1.10x with the cache in L2, 1.03-1.06x from memory on
+//   SmolLM2's heads (64 x 600, 1 x 7000), 1.01-1.05x on Qwen3's.
 // - Values widened the same way into sums kept as even and odd halves in registers over a
 //   step's keys, each key's weight broadcast once; put back in order at the end of the range.
 // A key's rows for every KV head are read whole and in order, its value row asked for while it
@@ -105,9 +108,16 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
 // exp(x) of one float (x <= 0) by the vector exp the weights take, not a call into libm
 inline float exp_one(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
 
-// The step's scores folded into each head's running max m, sum l; p[i * STEP + j] = the weight
-// of key j (0 past n), correction[i] = what head i's sums so far are multiplied by
-inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m, float* l,
+// How far a score may pass a head's running max before the max moves: a weight is then at most
+// e^8 (about 3000), well inside float32, and the sums keep their relative precision. After a
+// row's first keys most steps move no head's max, and skip the rescaling with its horizontal
+// max and scalar exp (the prefill kernel's AMX path does the same).
+constexpr float MAX_SLACK = 8.f;
+
+// The step's scores folded into each head's running max m and its 16 lane sums (lanes + 16 i,
+// reduced once the range ends, not at every step); p[i * STEP + j] = the weight of key j (0
+// past n), correction[i] = what head i's sums so far are multiplied by (1 where m stayed)
+inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m, float* lanes,
                          float* p, float* correction) {
   const __mmask16 live0 = static_cast<__mmask16>(n >= KEYS ? 0xffffu : (1u << n) - 1);
   const __mmask16 live1 =
@@ -120,13 +130,23 @@ inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m
         _mm512_mask_mov_ps(neg_inf, live0, _mm512_mul_ps(hsum16(pi), scale)), neg_inf);
     const __m512 s1 = _mm512_max_ps(
         _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(hsum16(pi + KEYS * 16), scale)), neg_inf);
-    const float mx = std::max(m[i], _mm512_reduce_max_ps(_mm512_max_ps(s0, s1)));
-    const __m512 top = _mm512_set1_ps(mx);
-    const __m512 e0 = _mm512_maskz_mov_ps(live0, vexp(_mm512_sub_ps(s0, top)));
-    const __m512 e1 = _mm512_maskz_mov_ps(live1, vexp(_mm512_sub_ps(s1, top)));
-    correction[i] = m[i] == NEG_INF ? 0.f : exp_one(m[i] - mx);
-    l[i] = l[i] * correction[i] + _mm512_reduce_add_ps(_mm512_add_ps(e0, e1));
-    m[i] = mx;
+    const __m512 slack = _mm512_set1_ps(m[i] + MAX_SLACK);
+    correction[i] = 1.f;
+    if (_mm512_cmp_ps_mask(s0, slack, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, slack, _CMP_GT_OQ)) {
+      const float mx = _mm512_reduce_max_ps(_mm512_max_ps(s0, s1));
+      correction[i] = m[i] == NEG_INF ? 0.f : exp_one(m[i] - mx);
+      const __m512 sums = _mm512_loadu_ps(lanes + 16 * i);
+      _mm512_storeu_ps(lanes + 16 * i, _mm512_mul_ps(sums, _mm512_set1_ps(correction[i])));
+      m[i] = mx;
+    }
+    __m512 e0 = _mm512_setzero_ps(), e1 = _mm512_setzero_ps();
+    if (m[i] != NEG_INF) {  // else every score so far is -inf: no weight yet
+      const __m512 top = _mm512_set1_ps(m[i]);
+      e0 = _mm512_maskz_mov_ps(live0, vexp(_mm512_sub_ps(s0, top)));
+      e1 = _mm512_maskz_mov_ps(live1, vexp(_mm512_sub_ps(s1, top)));
+      _mm512_storeu_ps(lanes + 16 * i,
+                       _mm512_add_ps(_mm512_loadu_ps(lanes + 16 * i), _mm512_add_ps(e0, e1)));
+    }
     _mm512_storeu_ps(p + i * STEP, e0);
     _mm512_storeu_ps(p + i * STEP + KEYS, e1);
   }
@@ -223,19 +243,20 @@ void attend_range_chunks(const uint16_t* q, const uint16_t* kc, const uint16_t* 
   float* part = part_buffer.data();
   float* qs = query_buffer.data();
   alignas(64) float p[MAX_HEADS * STEP];
+  alignas(64) float lanes[MAX_HEADS * 16] = {};
   float correction[MAX_HEADS];
   int64_t rows[STEP];
   split_query(q, H * sh.head_dim, qs);
   std::fill(m, m + H, NEG_INF);
-  std::fill(l, l + H, 0.f);
   std::fill(acc, acc + H * sh.head_dim, 0.f);
   for (int64_t t = t0; t < t1; t += STEP) {
     const int64_t n = std::min(STEP, t1 - t);
     tile_rows(table, t, n, sh.block_size, row_elems, rows);
     score_products<C>(qs, kc, vc, rows, n, sh, part);
-    softmax_step(part, n, sh, m, l, p, correction);
+    softmax_step(part, n, sh, m, lanes, p, correction);
     values_for<C>(p, correction, vc, rows, n, sh, acc);
   }
+  for (int64_t i = 0; i < H; ++i) l[i] = _mm512_reduce_add_ps(_mm512_load_ps(lanes + 16 * i));
   interleave_halves(acc, H * sh.head_dim);
 }
 
