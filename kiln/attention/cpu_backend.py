@@ -39,6 +39,7 @@ from kiln.attention.backend import (
     GraphSupport,
     MetadataBuilder,
 )
+from kiln.attention.cpu_kernel import DTYPES as KERNEL_DTYPES
 from kiln.attention.cpu_kernel import ISA_NAMES, paged_decode_kernel
 from kiln.attention.kv_int8 import cache_row_width, is_int8, read_as
 from kiln.attention.torch_backend import (
@@ -143,17 +144,24 @@ def _attend_row(q, k, v, k_flat, v_flat, pieces, piece_slots, scale) -> torch.Te
 
 
 def _write(k_flat, v_flat, slot_mapping, k, v, keep: bool):
-    """write_kv, with an int8 cache quantized by the C++ kernel (one call per K/V where the
-    PyTorch ops took about ten each, 30 layers a step); the stored values come back only
-    where `keep` asks (a step with prefill rows: a chunk attends its own keys as stored)."""
-    kernel = paged_decode_kernel() if is_int8(k_flat) else None
-    if kernel is None or k.dtype not in (torch.float32, torch.bfloat16):
+    """write_kv through the C++ kernel: a memcpy (or conversion, or int8 quantization) per row,
+    one call a step where index_copy_ took ~100 us a layer for a 512-token chunk and an int8
+    cache's PyTorch quantization about ten ops per K/V; the stored values come back only where
+    `keep` asks (a step with prefill rows: a chunk attends its own keys as stored)."""
+    kernel = paged_decode_kernel()
+    if (
+        kernel is None
+        or not hasattr(kernel.library, "kiln_write_kv")
+        or k.dtype not in (torch.float32, torch.bfloat16)
+        or k_flat.dtype not in KERNEL_DTYPES
+    ):
         return write_kv(k_flat, v_flat, slot_mapping, k, v)
     slots, pairs = slot_mapping.contiguous(), ((k, k_flat), (v, v_flat))
-    for rows, flat in pairs:
-        kernel.write_int8(rows.contiguous(), slots, flat)
-    if not keep:
+    kernel.write_kv(k.contiguous(), v.contiguous(), slots, k_flat, v_flat)
+    if not keep or k_flat.dtype == k.dtype:
         return k, v
+    if not is_int8(k_flat):  # the model's rows as the narrower cache holds them
+        return k.to(k_flat.dtype).to(k.dtype), v.to(v_flat.dtype).to(v.dtype)
     # the rows just written, read back: the kernel has quantized them once already
     k_stored, v_stored = (read_as(flat.index_select(0, slots), x.dtype) for x, flat in pairs)
     return k_stored, v_stored

@@ -112,6 +112,19 @@ class PagedDecodeKernel:
             scale, torch.get_num_threads(),
         )  # fmt: skip
 
+    def write_kv(
+        self, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor, k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """A step's k and v ([n, kv_heads, head_dim] contiguous, float32 or bf16) into the
+        caches (flat [slots, kv_heads, width]: float32, bf16, or int8 rows as `write_int8`
+        writes them) at `slots` [n] int64, converted as torch's `.to` rounds."""
+        n, heads, dim = k.shape
+        self.library.kiln_write_kv(
+            DTYPES[k.dtype], DTYPES[k_cache.dtype], k.data_ptr(), v.data_ptr(), slots.data_ptr(),
+            n, heads, dim, k_cache.data_ptr(), v_cache.data_ptr(),
+        )  # fmt: skip
+
     def write_int8(self, rows: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> None:
         """rows [n, kv_heads, head_dim] (float32 or bf16, contiguous) quantized into the int8
         cache (flat [slots, kv_heads, head_dim + 4]) at `slots` [n] int64, as
@@ -161,6 +174,10 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_decode_int8_queries.argtypes = [i64]
     library.kiln_write_int8.restype = None
     library.kiln_write_int8.argtypes = [ctypes.c_int, ptr, ptr, i64, i64, i64, ptr]
+    if hasattr(library, "kiln_write_kv"):  # absent from a source before it (an A/B)
+        library.kiln_write_kv.restype = None
+        library.kiln_write_kv.argtypes = [ctypes.c_int, ctypes.c_int, *[ptr] * 3, *[i64] * 3,
+                                          ptr, ptr]  # fmt: skip
     if hasattr(library, "kiln_paged_prefill"):
         library.kiln_paged_prefill_supported.restype = ctypes.c_int
         library.kiln_paged_prefill_supported.argtypes = [i64]
