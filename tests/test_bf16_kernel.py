@@ -18,8 +18,20 @@ HAS_AMX = "amx_bf16" in native.cpu_flags().split()
 FALLBACK = "onednn" if onednn_runs(torch.bfloat16) else "transposed"
 
 
+# AVX512-BF16 without AMX: the vector path for every batch, as on CPUs without tiles (AMD Zen 4)
+VECTOR_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma")
+
+
 def _build(build: str):
-    """The kernel as `build` names it: the engine's (native) or the portable loops."""
+    """The kernel as `build` names it: the engine's (native), the AVX512-BF16 vector path
+    alone (vector), or the portable loops."""
+    if build == "vector":
+        if not HAS_BF16:
+            pytest.skip("this CPU has no AVX512-BF16")
+        generic = tuple(f for f in native.FLAGS if f != "-march=native")
+        kernel = bf16_kernel.load_bf16_matmul((*generic, *VECTOR_FLAGS))
+        assert kernel.vectorized and not kernel.amx
+        return kernel
     if build == "native":
         kernel = bf16_kernel.bf16_matmul_kernel()
         if not HAS_BF16:
@@ -41,7 +53,7 @@ def _by_hand(x, w, bias):
     return want, want.abs() * 2.0**-8 + scale * 1e-6
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "vector", "portable"])
 def test_the_kernel_matches_a_product_by_hand(build):
     """Rows 1 to 33 (tiles of 8 and their remainders; on AMX, one or two blocks of 16 rows and
     short ones), columns that fill 3 vectors and ragged ones (1, 37, 200: the last vector
@@ -79,7 +91,7 @@ def _silu_mul_by_hand(x, w, n):
     return want, want.abs() * 2.0**-8 + carried * 1e-6 + 1e-30
 
 
-@pytest.mark.parametrize("build", ["native", "portable"])
+@pytest.mark.parametrize("build", ["native", "vector", "portable"])
 def test_the_gated_kernel_matches_silu_of_the_gate_times_up_by_hand(build):
     """SwiGLU's activation fused into the gate/up product: rows 1 to 33 (the vector path's
     tiles of 8, one and two blocks of 16 on AMX tiles), 1 to 6 output vectors, k from 32 to
