@@ -4,6 +4,8 @@ every build this CPU runs, its packing, the linear layer and tied head that use 
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
@@ -46,6 +48,18 @@ def _build(build: str):
     return kernel
 
 
+def _each_thread_count(product):
+    """product() run with 1 and 3 threads (more than this CPU's 2: items left without a
+    thread's share), torch's thread count restored after each."""
+    before = torch.get_num_threads()
+    for threads in (1, 3):
+        torch.set_num_threads(threads)
+        try:
+            yield product()
+        finally:
+            torch.set_num_threads(before)
+
+
 def _by_hand(x, w, bias):
     want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
     # float32 sums of exact products, then one bf16 rounding of the result
@@ -68,13 +82,7 @@ def test_the_kernel_matches_a_product_by_hand(build):
             for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
                 want, tolerance = _by_hand(x, w, bias)
-                for threads in (1, 3):
-                    before = torch.get_num_threads()
-                    torch.set_num_threads(threads)
-                    try:
-                        got = kernel.matmul(x, packed, n, bias)
-                    finally:
-                        torch.set_num_threads(before)
+                for got in _each_thread_count(partial(kernel.matmul, x, packed, n, bias)):
                     assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
                     err = (got.double() - want).abs()
                     assert (err <= tolerance).all(), (n, k, rows, err.max().item())
@@ -105,13 +113,7 @@ def test_the_gated_kernel_matches_silu_of_the_gate_times_up_by_hand(build):
         for rows in (1, 2, 7, 8, 9, 16, 17, 33):
             x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
             want, tolerance = _silu_mul_by_hand(x, w, n)
-            for threads in (1, 3):
-                before = torch.get_num_threads()
-                torch.set_num_threads(threads)
-                try:
-                    got = kernel.silu_mul(x, packed, n)
-                finally:
-                    torch.set_num_threads(before)
+            for got in _each_thread_count(partial(kernel.silu_mul, x, packed, n)):
                 assert got.dtype == torch.bfloat16 and got.shape == (rows, n)
                 err = (got.double() - want).abs()
                 assert (err <= tolerance).all(), (n, k, rows, err.max().item())
