@@ -306,7 +306,10 @@ def _decodes(layout):
     return InputBuffers(8, 4, len(tables[0]), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
 
 
-BUILDS = ["native", "avx512", "avx512-vnni", "avx2", "portable"]
+# bf16 decode rows scored by AVX512-BF16 pair products, and by float32 FMAs on widened rows:
+# the native build takes one of them by the CPU (pairs without AMX), these force either
+SCORES = ["pair-scores", "fma-scores"]
+BUILDS = ["native", *SCORES, "avx512", "avx512-vnni", "avx2", "portable"]
 KERNEL_DTYPES = [torch.float32, torch.bfloat16, "float32 over bf16", "float32 over int8",
                  "bf16 over int8"]  # fmt: skip
 
@@ -371,7 +374,8 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     """Decode rows of 8, 13, 16 and 31 keys (mid-block and block edges, fragmented blocks) at
     real models' head dims (SmolLM2's 9/3 x 64, Qwen3's 16/8 x 128) and odd ones that take the
     kernel's scalar loops, against float64 by hand; every build of the kernel this CPU runs:
-    its own, AVX-512 without BF16 dot products, AVX-512 with VNNI (an int8 cache's keys scored
+    its own, bf16 rows scored by pair products and by FMAs (forced either way), AVX-512
+    without BF16 dot products, AVX-512 with VNNI (an int8 cache's keys scored
     by integer dot products: the reference's queries quantized alike), AVX2 with FMA, and the
     portable loops; float32,
     bf16, queries over a bf16 cache (--kv-cache-dtype bfloat16) and over an int8 one (values
@@ -427,7 +431,8 @@ def _kernel_build(build: str):
 
     cpu_flags = native.cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx512-vnni": ("avx512f", "avx512vl", "avx512_vnni"),
-             "avx2": ("avx2", "fma")}.get(build, ())  # fmt: skip
+             "avx2": ("avx2", "fma"), **dict.fromkeys(SCORES, ("avx512_bf16",)),
+             }.get(build, ())  # fmt: skip
     if any(flag not in cpu_flags for flag in needs):
         pytest.skip(f"this CPU has no {' and '.join(needs)}")
     generic = tuple(f for f in native.FLAGS if f != "-march=native")
@@ -437,18 +442,27 @@ def _kernel_build(build: str):
               "avx512-vnni": (("-mavx512f", "-mavx512vl", "-mavx512vnni"), 2)}  # fmt: skip
     if build == "native":
         kernel, isa = cpu_kernel.paged_decode_kernel(), native_isa
+    elif build in SCORES:
+        pairs = int(build == "pair-scores")
+        kernel = cpu_kernel.load_paged_decode((*native.FLAGS, f"-DKILN_DECODE_PAIR_SCORES={pairs}"))
+        isa = native_isa
     else:
         extra, isa = builds[build]
         kernel = cpu_kernel.load_paged_decode((*generic, *extra))
     assert kernel is not None and kernel.isa == isa
     # integer dot products for int8 keys exactly where the build has AVX512-VNNI
-    vnni = build == "avx512-vnni" or (build == "native" and "avx512_vnni" in cpu_flags)
+    vnni = build == "avx512-vnni" or (build in ("native", *SCORES) and "avx512_vnni" in cpu_flags)
     assert kernel.int8_queries(64) == vnni and not kernel.int8_queries(48)
     # prefill chunks where the build has vectors and the head dim is a multiple of 8
     assert kernel.prefill_supported(64) == (isa > 0) and not kernel.prefill_supported(12)
     # bf16 chunks by AMX tile products in a native build on a CPU with AMX, head dims % 32
-    amx = build == "native" and "amx_bf16" in cpu_flags  # where Linux grants the tiles
+    amx = build in ("native", *SCORES) and "amx_bf16" in cpu_flags  # where Linux grants tiles
     assert kernel.prefill_amx(64) <= amx and not kernel.prefill_amx(48)
+    # bf16 decode scores by pair products where forced, or natively on AVX512-BF16 without AMX
+    pairs = build == "pair-scores" or (
+        build == "native" and "avx512_bf16" in cpu_flags and "amx_bf16" not in cpu_flags
+    )
+    assert kernel.pair_scores(64) == pairs and not kernel.pair_scores(48)
     return kernel
 
 
@@ -605,7 +619,7 @@ def test_the_prefill_kernel_follows_scores_that_climb_tile_by_tile(dtype, build)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("build", ["native", "avx512"])
+@pytest.mark.parametrize("build", ["native", *SCORES, "avx512"])
 def test_the_decode_kernel_follows_scores_that_climb_step_by_step(dtype, build):
     """Decode rows over keys whose scores rise by 10 every 16 keys (KV head 0's queries), by 3
     (head 1's) and fall by 3 (head 2's): the bf16 path moves a head's running max only when a

@@ -8,7 +8,8 @@
 // - bf16 widened without a shuffle: a 32-bit lane holds elements 2k (low half) and 2k + 1 (high
 //   half), so a shift gives the even ones and a mask the odd ones. Keys are scored by float32
 //   FMAs on a KV head's widened row, once for its query heads (the query split the same way):
-//   AVX512-BF16's pair products ran at a quarter of FMA's rate there.
+//   AVX512-BF16's pair products ran at a quarter of FMA's rate there. Where they run at FMA's
+//   rate (Zen 4, a build without AMX), keys are scored by them instead (score_pair_products).
 // - Each head's unreduced products of 16 keys reduced by one transposing add tree into a vector
 //   of 16 scores, where a horizontal sum per key and head was most of the scores' time.
 // - The online softmax on those vectors, 32 keys an update, where a scalar running max was. A
@@ -21,7 +22,8 @@
 // is scored. The key rows are left to the hardware prefetchers: asking for the next step's keys
 // while values were added (a burst of 32 rows) made the kernel 1.08-1.17x slower on SmolLM2's
 // heads and 1.15-1.23x on Qwen3's, from memory (1 to 64 rows, 512 to 16k keys,
-// benchmarks/decode_kernel_ab.py --layers 30, the AMX Xeon).
+// benchmarks/decode_kernel_ab.py --layers 30, the AMX Xeon). On Zen 4, asking for them into L2
+// one row a key while the step before is scored pays where rows are short (score_pair_products).
 
 #pragma once
 
@@ -104,6 +106,69 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
     for (int64_t j = n; j < STEP; ++j)
       _mm512_storeu_ps(part + (i * STEP + j) * 16, _mm512_setzero_ps());
 }
+
+// The same products as AVX512-BF16 pair products, where that instruction runs at the rate of a
+// float32 FMA (AMD's Zen 4) and so does twice its work: a query head's 32 dims against a key's
+// 32 in one instruction, from the bf16 rows themselves, nothing widened. On a 2-core Zen 4
+// (benchmarks/decode_kernel_ab.py): 1.13-1.17x the kernel with the cache in L2 (SmolLM2's
+// heads), 1.02-1.08x from memory (--layers 30), 1.00-1.04x on Qwen3's. On the AMX Xeon the pair
+// products ran at a quarter of FMA's rate, so a build with AMX keeps score_products.
+// -DKILN_DECODE_PAIR_SCORES=0 or 1 chooses either where the CPU has AVX512-BF16 (tests, A/B).
+#if !defined(KILN_DECODE_PAIR_SCORES)
+#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#define KILN_DECODE_PAIR_SCORES 1
+#else
+#define KILN_DECODE_PAIR_SCORES 0
+#endif
+#endif
+#if KILN_DECODE_PAIR_SCORES && !defined(__AVX512BF16__)
+#undef KILN_DECODE_PAIR_SCORES
+#define KILN_DECODE_PAIR_SCORES 0
+#endif
+
+#if KILN_DECODE_PAIR_SCORES
+// Short key rows (every KV head of a key in at most this many bytes) have the next step's keys
+// asked for into L2 while this step's are scored, one row a key: with the little arithmetic a
+// short row takes, the kernel otherwise waits on memory between steps. 1.06-1.13x on SmolLM2's
+// 384-byte rows from memory; 0.91-0.97x on Qwen3's 2 KiB ones, which the hardware prefetchers
+// stream on their own (Zen 4, benchmarks/decode_kernel_ab.py --layers 30).
+constexpr int64_t NEXT_KEYS_MAX_ROW_BYTES = 512;
+
+inline void prefetch_into_l2(const uint16_t* row, int64_t bytes) {
+  const char* line = reinterpret_cast<const char*>(row);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T2);
+}
+
+// score_products' result from q (bf16, heads x D as stored) by pair products: lane L of a head's
+// vector sums dims 2L, 2L + 1 of each 32
+template <int C>
+inline void score_pair_products(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
+                                const int64_t* rows, int64_t n, const Shape& sh, float* part,
+                                const int64_t* next_rows, int64_t next_n) {
+  constexpr int64_t D = 32 * C;
+  const int64_t G = sh.heads / sh.kv_heads, row_bytes = sh.kv_heads * D * 2;
+  if (row_bytes > NEXT_KEYS_MAX_ROW_BYTES) next_n = 0;
+  for (int64_t j = 0; j < n; ++j) {
+    prefetch_value_row(vc, rows + j, sh);
+    if (j < next_n) prefetch_into_l2(kc + next_rows[j], row_bytes);
+    const uint16_t* row = kc + rows[j];
+    for (int64_t h = 0; h < sh.kv_heads; ++h) {
+      __m512bh k[C];
+      for (int c = 0; c < C; ++c) k[c] = (__m512bh)_mm512_loadu_si512(row + h * D + 32 * c);
+      for (int64_t g = 0; g < G; ++g) {
+        const uint16_t* qi = q + (h * G + g) * D;
+        __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), (__m512bh)_mm512_loadu_si512(qi), k[0]);
+        for (int c = 1; c < C; ++c)
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(qi + 32 * c), k[c]);
+        _mm512_storeu_ps(part + ((h * G + g) * STEP + j) * 16, a);
+      }
+    }
+  }
+  for (int64_t i = 0; n < STEP && i < sh.heads; ++i)
+    for (int64_t j = n; j < STEP; ++j)
+      _mm512_storeu_ps(part + (i * STEP + j) * 16, _mm512_setzero_ps());
+}
+#endif
 
 // exp(x) of one float (x <= 0) by the vector exp the weights take, not a call into libm
 inline float exp_one(float x) { return _mm512_cvtss_f32(vexp(_mm512_set1_ps(x))); }
@@ -245,16 +310,25 @@ void attend_range_chunks(const uint16_t* q, const uint16_t* kc, const uint16_t* 
   alignas(64) float p[MAX_HEADS * STEP];
   alignas(64) float lanes[MAX_HEADS * 16] = {};
   float correction[MAX_HEADS];
-  int64_t rows[STEP];
-  split_query(q, H * sh.head_dim, qs);
+  int64_t rows_buffer[2][STEP];
+  int64_t* rows = rows_buffer[0];
+  int64_t* next_rows = rows_buffer[1];
+  if (!KILN_DECODE_PAIR_SCORES) split_query(q, H * sh.head_dim, qs);
   std::fill(m, m + H, NEG_INF);
   std::fill(acc, acc + H * sh.head_dim, 0.f);
+  if (t0 < t1) tile_rows(table, t0, std::min(STEP, t1 - t0), sh.block_size, row_elems, rows);
   for (int64_t t = t0; t < t1; t += STEP) {
     const int64_t n = std::min(STEP, t1 - t);
-    tile_rows(table, t, n, sh.block_size, row_elems, rows);
+    const int64_t next_n = std::max<int64_t>(0, std::min(STEP, t1 - t - STEP));
+    if (next_n) tile_rows(table, t + STEP, next_n, sh.block_size, row_elems, next_rows);
+#if KILN_DECODE_PAIR_SCORES
+    score_pair_products<C>(q, kc, vc, rows, n, sh, part, next_rows, next_n);
+#else
     score_products<C>(qs, kc, vc, rows, n, sh, part);
+#endif
     softmax_step(part, n, sh, m, lanes, p, correction);
     values_for<C>(p, correction, vc, rows, n, sh, acc);
+    std::swap(rows, next_rows);
   }
   for (int64_t i = 0; i < H; ++i) l[i] = _mm512_reduce_add_ps(_mm512_load_ps(lanes + 16 * i));
   interleave_halves(acc, H * sh.head_dim);

@@ -589,6 +589,18 @@ int kiln_paged_prefill_amx(int64_t head_dim) {
 #endif
 }
 
+// 1 where bf16 decode rows of head_dim over a bf16 cache are scored by AVX512-BF16 pair products
+// (decode_bf16.h's score_pair_products: a build without AMX, or -DKILN_DECODE_PAIR_SCORES=1),
+// 0 where by float32 FMAs on widened rows or by the general path
+int kiln_paged_decode_pair_scores(int64_t head_dim) {
+#if defined(__AVX512F__) && KILN_DECODE_PAIR_SCORES
+  return bf16_decode_supported(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
 // 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
 #if defined(__AVX512BF16__)
