@@ -70,15 +70,16 @@ def _by_hand(x, w, bias):
 @pytest.mark.parametrize("build", ["native", "vector", "portable"])
 def test_the_kernel_matches_a_product_by_hand(build):
     """Rows 1 to 33 (tiles of 8 and their remainders; on AMX, one or two blocks of 16 rows and
-    short ones), columns that fill 3 vectors and ragged ones (1, 37, 200: the last vector
-    masked), k from one pair to 578 (multiples of 32 on AMX tiles, the rest on vectors), with
-    and without a bias, 1 and 3 threads."""
+    short ones) and 64 to 130 (the vector path's wide tiles of 4 rows by 6 vectors, and theirs),
+    columns that fill 3 vectors and ragged ones (1, 37, 200: the last vector masked, 200 two
+    wide tiles and one vector), k from one pair to 578 (multiples of 32 on AMX tiles, the rest
+    on vectors), with and without a bias, 1 and 3 threads."""
     kernel = _build(build)
     g = torch.Generator().manual_seed(0)
     for n, k in [(48, 64), (1, 2), (37, 578), (200, 96), (16, 130), (33, 576)]:
         w = torch.randn(n, k, generator=g).to(torch.bfloat16)
         packed = pack_pairs(w)
-        for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33):
+        for rows in (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 67, 130):
             for bias in (None, torch.randn(n, generator=g).to(torch.bfloat16)):
                 x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
                 want, tolerance = _by_hand(x, w, bias)
