@@ -129,9 +129,10 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
 #if KILN_DECODE_PAIR_SCORES
 // Short key rows (every KV head of a key in at most this many bytes) have the next step's keys
 // asked for into L2 while this step's are scored, one row a key: with the little arithmetic a
-// short row takes, the kernel otherwise waits on memory between steps. 1.06-1.13x on SmolLM2's
-// 384-byte rows from memory; 0.91-0.97x on Qwen3's 2 KiB ones, which the hardware prefetchers
-// stream on their own (Zen 4, benchmarks/decode_kernel_ab.py --layers 30).
+// short row takes, the kernel otherwise waits on memory between steps. 1.08-1.13x on SmolLM2's
+// 384-byte rows from memory; 0.97-1.00x on Qwen3's 2 KiB ones (0.90-0.98x asking for only their
+// first bytes), which the hardware prefetchers stream on their own (Zen 4,
+// benchmarks/decode_kernel_ab.py --layers 30, against the pair products without it).
 constexpr int64_t NEXT_KEYS_MAX_ROW_BYTES = 512;
 
 inline void prefetch_into_l2(const uint16_t* row, int64_t bytes) {
