@@ -35,6 +35,7 @@ DTYPES = {  # (queries, cache)
     "bf16": (torch.bfloat16, torch.bfloat16),
     "f32/bf16": (torch.float32, torch.bfloat16),
     "f32/int8": (torch.float32, torch.int8),  # --kv-cache-dtype int8: values and a scale per row
+    "bf16/int8": (torch.bfloat16, torch.int8),
 }
 BLOCK = 16
 

@@ -306,9 +306,10 @@ def _decodes(layout):
     return InputBuffers(8, 4, len(tables[0]), BS, torch.device("cpu")).fill(rows, NUM_DECODES)
 
 
-# bf16 decode rows scored by AVX512-BF16 pair products, and by float32 FMAs on widened rows:
-# the native build takes one of them by the CPU (pairs without AMX), these force either
-SCORES = ["pair-scores", "fma-scores"]
+# bf16 decode rows scored and their values added by AVX512-BF16 pair products, by float32 FMAs
+# on widened rows, or scored by pairs and added by FMAs: the native build takes the first or
+# the second by the CPU (pairs without AMX), these force each
+SCORES = ["pair-scores", "fma-scores", "pair-scores-fma-values"]
 BUILDS = ["native", *SCORES, "avx512", "avx512-vnni", "avx2", "portable"]
 KERNEL_DTYPES = [torch.float32, torch.bfloat16, "float32 over bf16", "float32 over int8",
                  "bf16 over int8"]  # fmt: skip
@@ -443,8 +444,9 @@ def _kernel_build(build: str):
     if build == "native":
         kernel, isa = cpu_kernel.paged_decode_kernel(), native_isa
     elif build in SCORES:
-        pairs = int(build == "pair-scores")
-        kernel = cpu_kernel.load_paged_decode((*native.FLAGS, f"-DKILN_DECODE_PAIR_SCORES={pairs}"))
+        pairs, values = int(build != "fma-scores"), int(build == "pair-scores")
+        kernel = cpu_kernel.load_paged_decode((*native.FLAGS, f"-DKILN_DECODE_PAIR_SCORES={pairs}",
+                                               f"-DKILN_DECODE_PAIR_VALUES={values}"))  # fmt: skip
         isa = native_isa
     else:
         extra, isa = builds[build]
@@ -459,10 +461,12 @@ def _kernel_build(build: str):
     amx = build in ("native", *SCORES) and "amx_bf16" in cpu_flags  # where Linux grants tiles
     assert kernel.prefill_amx(64) <= amx and not kernel.prefill_amx(48)
     # bf16 decode scores by pair products where forced, or natively on AVX512-BF16 without AMX
-    pairs = build == "pair-scores" or (
-        build == "native" and "avx512_bf16" in cpu_flags and "amx_bf16" not in cpu_flags
-    )
+    native_pairs = build == "native" and "avx512_bf16" in cpu_flags and "amx_bf16" not in cpu_flags
+    pairs = build in ("pair-scores", "pair-scores-fma-values") or native_pairs
     assert kernel.pair_scores(64) == pairs and not kernel.pair_scores(48)
+    # and their values added by pair products alike, unless the build says otherwise
+    values = build == "pair-scores" or native_pairs
+    assert kernel.pair_values(64) == values and not kernel.pair_values(48)
     return kernel
 
 

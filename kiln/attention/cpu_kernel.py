@@ -54,6 +54,13 @@ class PagedDecodeKernel:
         query = getattr(self.library, "kiln_paged_decode_pair_scores", None)
         return bool(query and query(head_dim))  # None: a source from before it (an A/B)
 
+    def pair_values(self, head_dim: int) -> bool:
+        """Whether those rows add values by AVX512-BF16 pair products over two keys at a time,
+        the softmax weights rounded to bf16 (with pair scores unless a build says otherwise),
+        not by float32 FMAs on widened rows."""
+        query = getattr(self.library, "kiln_paged_decode_pair_values", None)
+        return bool(query and query(head_dim))  # None: a source from before it (an A/B)
+
     def prefill_amx(self, head_dim: int) -> bool:
         """Whether bf16 prefill chunks over a bf16 cache take AMX tile products (a build with
         AMX on a CPU that has it, head_dim % 32 == 0)."""
@@ -190,9 +197,10 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_prefill.restype = None
         prefill_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 6, ctypes.c_float]
         library.kiln_paged_prefill.argtypes = [*prefill_args, ctypes.c_int]
-    if hasattr(library, "kiln_paged_decode_pair_scores"):
-        library.kiln_paged_decode_pair_scores.restype = ctypes.c_int
-        library.kiln_paged_decode_pair_scores.argtypes = [i64]
+    for query in ("kiln_paged_decode_pair_scores", "kiln_paged_decode_pair_values"):
+        if hasattr(library, query):
+            getattr(library, query).restype = ctypes.c_int
+            getattr(library, query).argtypes = [i64]
     if hasattr(library, "kiln_paged_prefill_amx"):
         library.kiln_paged_prefill_amx.restype = ctypes.c_int
         library.kiln_paged_prefill_amx.argtypes = [i64]

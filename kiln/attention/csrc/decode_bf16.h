@@ -18,12 +18,15 @@
 //   SmolLM2's heads (64 x 600, 1 x 7000), 1.01-1.05x on Qwen3's.
 // - Values widened the same way into sums kept as even and odd halves in registers over a
 //   step's keys, each key's weight broadcast once; put back in order at the end of the range.
-// A key's rows for every KV head are read whole and in order, its value row asked for while it
-// is scored. The key rows are left to the hardware prefetchers: asking for the next step's keys
-// while values were added (a burst of 32 rows) made the kernel 1.08-1.17x slower on SmolLM2's
-// heads and 1.15-1.23x on Qwen3's, from memory (1 to 64 rows, 512 to 16k keys,
-// benchmarks/decode_kernel_ab.py --layers 30, the AMX Xeon). On Zen 4, asking for them into L2
-// one row a key while the step before is scored pays where rows are short (score_pair_products).
+//   Where pair products run at FMA's rate, values take them too (add_value_pairs).
+// A key's rows for every KV head are read whole and in order. With FMA scores (the AMX Xeon) its
+// value row is asked for while it is scored and the key rows are left to the hardware
+// prefetchers: asking for the next step's keys while values were added (a burst of 32 rows)
+// made the kernel 1.08-1.17x slower on SmolLM2's heads and 1.15-1.23x on Qwen3's, from memory
+// (1 to 64 rows, 512 to 16k keys, benchmarks/decode_kernel_ab.py --layers 30). With pair
+// products (Zen 4) both are asked for a step ahead into L2, spread over the step: the next
+// step's key rows one a key while this step's are scored, its value rows one a key while this
+// step's values are added (score_pair_products, add_value_pairs).
 
 #pragma once
 
@@ -126,31 +129,35 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
 #define KILN_DECODE_PAIR_SCORES 0
 #endif
 
-#if KILN_DECODE_PAIR_SCORES
-// Short key rows (every KV head of a key in at most this many bytes) have the next step's keys
-// asked for into L2 while this step's are scored, one row a key: with the little arithmetic a
-// short row takes, the kernel otherwise waits on memory between steps. 1.08-1.13x on SmolLM2's
-// 384-byte rows from memory; 0.97-1.00x on Qwen3's 2 KiB ones (0.90-0.98x asking for only their
-// first bytes), which the hardware prefetchers stream on their own (Zen 4,
-// benchmarks/decode_kernel_ab.py --layers 30, against the pair products without it).
-constexpr int64_t NEXT_KEYS_MAX_ROW_BYTES = 512;
+// Values by pair products too (add_value_pairs), where scores are: -DKILN_DECODE_PAIR_VALUES=0/1
+// chooses apart from them.
+#if !defined(KILN_DECODE_PAIR_VALUES)
+#define KILN_DECODE_PAIR_VALUES KILN_DECODE_PAIR_SCORES
+#endif
+#if KILN_DECODE_PAIR_VALUES && !defined(__AVX512BF16__)
+#undef KILN_DECODE_PAIR_VALUES
+#define KILN_DECODE_PAIR_VALUES 0
+#endif
 
 inline void prefetch_into_l2(const uint16_t* row, int64_t bytes) {
   const char* line = reinterpret_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T2);
 }
 
+#if KILN_DECODE_PAIR_SCORES
 // score_products' result from q (bf16, heads x D as stored) by pair products: lane L of a head's
-// vector sums dims 2L, 2L + 1 of each 32
+// vector sums dims 2L, 2L + 1 of each 32. The next step's key rows (next_rows) are asked for into
+// L2 one a key: with the little arithmetic a key takes, the kernel otherwise waits on memory
+// between steps (1.08-1.13x on SmolLM2's 384-byte rows from memory; on Qwen3's 2 KiB rows it
+// pays only with the value rows asked for too, add_value_pairs).
 template <int C>
 inline void score_pair_products(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,
                                 const int64_t* rows, int64_t n, const Shape& sh, float* part,
                                 const int64_t* next_rows, int64_t next_n) {
   constexpr int64_t D = 32 * C;
   const int64_t G = sh.heads / sh.kv_heads, row_bytes = sh.kv_heads * D * 2;
-  if (row_bytes > NEXT_KEYS_MAX_ROW_BYTES) next_n = 0;
   for (int64_t j = 0; j < n; ++j) {
-    prefetch_value_row(vc, rows + j, sh);
+    if (!KILN_DECODE_PAIR_VALUES) prefetch_value_row(vc, rows + j, sh);
     if (j < next_n) prefetch_into_l2(kc + next_rows[j], row_bytes);
     const uint16_t* row = kc + rows[j];
     for (int64_t h = 0; h < sh.kv_heads; ++h) {
@@ -253,26 +260,111 @@ inline void add_values(const float* p, const float* correction, const uint16_t* 
     }
 }
 
-// The heads sharing each KV head in register groups: at most 16 sums (GS x 2C vectors) a group
+#if KILN_DECODE_PAIR_VALUES
+// add_values by AVX512-BF16 pair products over two keys at a time: each weight rounded to bf16
+// (as FlashAttention rounds its probabilities for the value product), the sums float32. Two
+// keys' value rows are interleaved (one unpack each for the low and high halves of every 128
+// bits), so a lane holds one dim of both keys and one instruction adds both keys' terms for 16
+// dims: half the instructions of widened rows and FMAs, the unpacks shared by the G heads. A sum
+// vector's lanes hold dims 8L + e (lo) and 8L + 4 + e (hi) of each 32 (pair_order puts them
+// back). `pairs` holds each head's weights as bf16 pairs: 32-bit lane k is keys 2k and 2k + 1.
+// The next step's value rows of this KV head (next_rows, given to one head group of it) are
+// asked for into L2 as this step's are added.
+// On a 2-core Zen 4 (benchmarks/decode_kernel_ab.py --layers 30, 1 to 64 rows, 512 to 16k keys,
+// against float32 FMAs with the value rows asked for as keys are scored): 1.17-1.24x on
+// SmolLM2's heads, 1.15-1.24x on Qwen3's with the key prefetch; with the cache in L2, 1.10-1.16x.
+template <int C, int GS>
+inline void add_value_pairs(const uint32_t* pairs, const float* correction, const uint16_t* vc,
+                            const int64_t* rows, int64_t n, int64_t offset, float* acc,
+                            const int64_t* next_rows, int64_t next_n) {
+  constexpr int64_t D = 32 * C;
+  __m512 lo[GS][C], hi[GS][C];
+  for (int g = 0; g < GS; ++g) {
+    const __m512 cg = _mm512_set1_ps(correction[g]);
+    for (int c = 0; c < C; ++c) {
+      lo[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 32 * c), cg);
+      hi[g][c] = _mm512_mul_ps(_mm512_loadu_ps(acc + g * D + 32 * c + 16), cg);
+    }
+  }
+  for (int64_t j = 0; j < n; j += 2) {
+    // an odd last key pairs with itself: its partner's weight is 0 (p is 0 past n)
+    const uint16_t* v0 = vc + rows[j] + offset;
+    const uint16_t* v1 = vc + rows[j + 1 < n ? j + 1 : j] + offset;
+    for (int64_t b = j; b < j + 2 && b < next_n; ++b)
+      prefetch_into_l2(vc + next_rows[b] + offset, D * 2);
+    __m512bh w[GS];
+    for (int g = 0; g < GS; ++g)
+      w[g] = (__m512bh)_mm512_set1_epi32(static_cast<int>(pairs[g * KEYS + j / 2]));
+    for (int c = 0; c < C; ++c) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * c), b = _mm512_loadu_si512(v1 + 32 * c);
+      const __m512bh x = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      const __m512bh y = (__m512bh)_mm512_unpackhi_epi16(a, b);
+      for (int g = 0; g < GS; ++g) {
+        lo[g][c] = _mm512_dpbf16_ps(lo[g][c], x, w[g]);
+        hi[g][c] = _mm512_dpbf16_ps(hi[g][c], y, w[g]);
+      }
+    }
+  }
+  for (int g = 0; g < GS; ++g)
+    for (int c = 0; c < C; ++c) {
+      _mm512_storeu_ps(acc + g * D + 32 * c, lo[g][c]);
+      _mm512_storeu_ps(acc + g * D + 32 * c + 16, hi[g][c]);
+    }
+}
+
+// Each head's step weights p (STEP floats a head) as bf16 pairs for add_value_pairs
+inline void weight_pairs(const float* p, int64_t heads, uint32_t* pairs) {
+  for (int64_t i = 0; i < heads; ++i) {
+    const __m512bh both =
+        _mm512_cvtne2ps_pbh(_mm512_loadu_ps(p + i * STEP + KEYS), _mm512_loadu_ps(p + i * STEP));
+    _mm512_storeu_si512(pairs + i * KEYS, (__m512i)both);
+  }
+}
+#endif
+
+// One register group of GS heads of a KV head: add_value_pairs where values take pair products
+// (p as bf16 pairs in `pairs`), else add_values (p as float32)
+template <int C, int GS>
+inline void add_group(const float* p, const uint32_t* pairs, const float* correction,
+                      const uint16_t* vc, const int64_t* rows, int64_t n, int64_t offset,
+                      float* acc, const int64_t* next_rows, int64_t next_n) {
+#if KILN_DECODE_PAIR_VALUES
+  (void)p;
+  add_value_pairs<C, GS>(pairs, correction, vc, rows, n, offset, acc, next_rows, next_n);
+#else
+  (void)pairs, (void)next_rows, (void)next_n;
+  add_values<C, GS>(p, correction, vc, rows, n, offset, acc);
+#endif
+}
+
+// The heads sharing each KV head in register groups: at most 16 sums (GS x 2C vectors) a group.
+// The next step's value rows are asked for by each KV head's first group.
 template <int C>
 inline void values_for(const float* p, const float* correction, const uint16_t* vc,
-                       const int64_t* rows, int64_t n, const Shape& sh, float* acc) {
+                       const int64_t* rows, int64_t n, const Shape& sh, float* acc,
+                       const int64_t* next_rows, int64_t next_n) {
   constexpr int MAX_GS = C >= 8 ? 1 : 8 / C;
   const int64_t G = sh.heads / sh.kv_heads;
+  alignas(64) uint32_t pairs[MAX_HEADS * KEYS];
+#if KILN_DECODE_PAIR_VALUES
+  weight_pairs(p, sh.heads, pairs);
+#endif
   for (int64_t h = 0; h < sh.kv_heads; ++h)
     for (int64_t g = 0; g < G; g += MAX_GS) {
-      const int64_t i = h * G + g, offset = h * 32 * C;
-      const float* pi = p + i * STEP;
-      float* ai = acc + i * 32 * C;
+      const int64_t i = h * G + g, offset = h * 32 * C, ahead = g == 0 ? next_n : 0;
+      const auto group = [&](auto size) {
+        add_group<C, decltype(size)::value>(p + i * STEP, pairs + i * KEYS, correction + i, vc,
+                                            rows, n, offset, acc + i * 32 * C, next_rows, ahead);
+      };
       switch (std::min<int64_t>(MAX_GS, G - g)) {
-        case 8: add_values<C, std::min(8, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 7: add_values<C, std::min(7, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 6: add_values<C, std::min(6, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 5: add_values<C, std::min(5, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 4: add_values<C, std::min(4, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 3: add_values<C, std::min(3, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        case 2: add_values<C, std::min(2, MAX_GS)>(pi, correction + i, vc, rows, n, offset, ai); break;
-        default: add_values<C, 1>(pi, correction + i, vc, rows, n, offset, ai); break;
+        case 8: group(std::integral_constant<int, std::min(8, MAX_GS)>()); break;
+        case 7: group(std::integral_constant<int, std::min(7, MAX_GS)>()); break;
+        case 6: group(std::integral_constant<int, std::min(6, MAX_GS)>()); break;
+        case 5: group(std::integral_constant<int, std::min(5, MAX_GS)>()); break;
+        case 4: group(std::integral_constant<int, std::min(4, MAX_GS)>()); break;
+        case 3: group(std::integral_constant<int, std::min(3, MAX_GS)>()); break;
+        case 2: group(std::integral_constant<int, std::min(2, MAX_GS)>()); break;
+        default: group(std::integral_constant<int, 1>()); break;
       }
     }
 }
@@ -290,6 +382,23 @@ inline void interleave_halves(float* acc, int64_t count) {
     _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(even, high, odd));
   }
 }
+
+#if KILN_DECODE_PAIR_VALUES
+// Every head's sums from add_value_pairs' order back into dimension order: of each 32, lo lane
+// 4L + e is dim 8L + e and hi lane 4L + e is dim 8L + 4 + e
+inline void pair_order(float* acc, int64_t count) {
+  alignas(64) static constexpr int32_t FIRST[16] = {0, 1, 2, 3, 16, 17, 18, 19,
+                                                    4, 5, 6, 7, 20, 21, 22, 23};
+  alignas(64) static constexpr int32_t SECOND[16] = {8, 9, 10, 11, 24, 25, 26, 27,
+                                                     12, 13, 14, 15, 28, 29, 30, 31};
+  const __m512i first = _mm512_load_si512(FIRST), second = _mm512_load_si512(SECOND);
+  for (int64_t c = 0; c < count; c += 32) {
+    const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(lo, first, hi));
+    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(lo, second, hi));
+  }
+}
+#endif
 
 inline bool bf16_decode_supported(int64_t head_dim) {
   return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256;
@@ -328,11 +437,15 @@ void attend_range_chunks(const uint16_t* q, const uint16_t* kc, const uint16_t* 
     score_products<C>(qs, kc, vc, rows, n, sh, part);
 #endif
     softmax_step(part, n, sh, m, lanes, p, correction);
-    values_for<C>(p, correction, vc, rows, n, sh, acc);
+    values_for<C>(p, correction, vc, rows, n, sh, acc, next_rows, next_n);
     std::swap(rows, next_rows);
   }
   for (int64_t i = 0; i < H; ++i) l[i] = _mm512_reduce_add_ps(_mm512_load_ps(lanes + 16 * i));
+#if KILN_DECODE_PAIR_VALUES
+  pair_order(acc, H * sh.head_dim);
+#else
   interleave_halves(acc, H * sh.head_dim);
+#endif
 }
 
 inline void attend_range_bf16(const uint16_t* q, const uint16_t* kc, const uint16_t* vc,

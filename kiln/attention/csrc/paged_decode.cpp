@@ -601,6 +601,17 @@ int kiln_paged_decode_pair_scores(int64_t head_dim) {
 #endif
 }
 
+// 1 where those rows add values by AVX512-BF16 pair products, weights rounded to bf16
+// (decode_bf16.h's add_value_pairs: with pair scores, or -DKILN_DECODE_PAIR_VALUES=1), else 0
+int kiln_paged_decode_pair_values(int64_t head_dim) {
+#if defined(__AVX512F__) && KILN_DECODE_PAIR_VALUES
+  return bf16_decode_supported(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
 // 3 when built with AVX512-BF16, 2 with AVX-512, 1 with AVX2 and FMA, 0 with portable loops
 int kiln_paged_decode_isa() {
 #if defined(__AVX512BF16__)
