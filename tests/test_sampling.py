@@ -158,13 +158,20 @@ def test_min_tokens_masks_eos():
     assert out.token_ids == [4]  # EOS (2) and the stop token (3) are banned until 3 tokens
 
 
-def test_greedy_tokens_is_argmax_with_its_ties_and_nans():
-    """The first of tied maxima and a NaN's index, as torch.argmax picks them."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_greedy_tokens_is_argmax_with_its_ties_and_nans(dtype):
+    """The first of tied maxima and a NaN's index, as torch.argmax picks them: one row, many rows
+    over whole chunks and with a last partial chunk (the maximum there, or tied with the rest,
+    or a NaN there), a vocabulary shorter than a chunk."""
     gen = torch.Generator().manual_seed(0)
-    for rows, vocab in [(1, 49152), (64, 49152), (7, 33)]:
-        x = torch.randint(0, 3, (rows, vocab), generator=gen).float()  # many ties
+    for rows, vocab in [(1, 49152), (64, 49152), (7, 33), (5, 1000), (9, 49155)]:
+        x = torch.randint(0, 3, (rows, vocab), generator=gen).to(dtype)  # many ties
         assert torch.equal(greedy_tokens(x), x.argmax(-1))
-        x[0, vocab // 2] = float("nan")
+        x[1 % rows, vocab - 1] = 7  # the maximum in the last (perhaps partial) chunk
+        x[2 % rows, [5, vocab - 2]] = 5  # tied at both ends: the first wins
+        assert torch.equal(greedy_tokens(x), x.argmax(-1))
+        x[0, [vocab // 2, vocab - 1]] = float("nan")
+        x[3 % rows, vocab - 1] = float("nan")  # a NaN in the tail alone
         x[-1, :] = float("-inf")
         assert torch.equal(greedy_tokens(x), x.argmax(-1))
 

@@ -275,10 +275,29 @@ def _shaped(seq: Sequence, eos: frozenset[int]) -> bool:
     return bool(seq.params.logit_bias) or bool(min_tokens_banned(seq, eos))
 
 
+GREEDY_CHUNK = 256  # logits a chunk of greedy_tokens' first pass
+
+
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
-    """Each row's argmax (the first of tied maxima, NaN counted as largest, as torch.argmax):
-    torch.max's indices, which PyTorch's CPU kernel finds 1.5-3x faster than argmax's."""
-    return logits.max(-1).indices
+    """Each row's argmax (the first of tied maxima, NaN counted as largest, as torch.argmax).
+    On the CPU, in two passes where a step has several rows: each chunk's maximum by amax (a
+    vectorised reduction), then the index within the first chunk holding the row's maximum; the
+    vocabulary's last partial chunk is compared on its own. PyTorch's CPU kernel for a maximum
+    with its index is scalar: 2.2 ms for 64 rows of 49,152 logits, against 0.24 ms this way
+    (0.35 against 0.09 at 16 rows, level at 1; a 2-core Zen 4)."""
+    rows, vocab = logits.shape
+    body = vocab - vocab % GREEDY_CHUNK
+    if rows == 1 or body == 0 or logits.device.type != "cpu":  # a GPU's kernel is parallel
+        return logits.max(-1).indices
+    chunks = logits[:, :body].reshape(rows, body // GREEDY_CHUNK, GREEDY_CHUNK)
+    best = chunks.amax(-1).max(-1).indices  # amax keeps NaN: then the first chunk holding one
+    within = chunks[torch.arange(rows, device=logits.device), best].max(-1)
+    tokens = best * GREEDY_CHUNK + within.indices
+    if body == vocab:
+        return tokens
+    tail = logits[:, body:].max(-1)
+    later = (tail.values > within.values) | (tail.values.isnan() & ~within.values.isnan())
+    return torch.where(later, tail.indices + body, tokens)
 
 
 def sampled_rows(batch: SamplingBatch) -> list[int]:
