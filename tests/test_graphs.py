@@ -408,7 +408,9 @@ def test_ladder_is_cut_to_the_memory_left_with_a_warning(caplog):
 
 def test_close_frees_cache_and_graphs(tiny_models):
     """close() lets go of the KV cache and every captured graph at once (a second engine in the
-    same process sizes its KV cache from the memory left), and refuses new requests."""
+    same process sizes its KV cache from the memory left), and refuses new requests. Boot froze
+    its objects out of the garbage collector's passes; close() gives them back to it."""
+    import gc
     import weakref
 
     from kiln.errors import EngineClosedError
@@ -419,7 +421,9 @@ def test_close_frees_cache_and_graphs(tiny_models):
     assert engine.runner.full.graphs
     cache = weakref.ref(engine.runner.kv_caches[0][0])
     graph_output = weakref.ref(engine.runner.full.graphs[max(engine.runner.full.graphs)].outputs)
+    assert gc.get_freeze_count() > 0
     engine.close()
+    assert gc.get_freeze_count() == 0
     assert cache() is None and graph_output() is None
     assert not engine.runner.full.graphs
     with pytest.raises(EngineClosedError, match="build a new one"):

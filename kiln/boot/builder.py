@@ -21,6 +21,7 @@ from kiln.boot.draft import (
     load_draft,
     measure_draft_graphs,
 )
+from kiln.boot.heap import freeze_boot_heap
 from kiln.boot.host_memory import fault_in, keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
@@ -118,6 +119,7 @@ def build_engine(config: EngineConfig, graph_backend: GraphBackend | None = None
             entry.release()
             entry.deactivate()
     boot.capture, boot.phases_s = capture.stats, dict(phases.durations)
+    freeze_boot_heap()
     boot.boot_s = time.monotonic() - t0
     logger.info(
         "engine ready in %.1f s (%s): %s, %d KV blocks of %d tokens (%s)",

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from kiln.boot.heap import unfreeze_heap
 from kiln.compile_cache.entry import CompileCacheEntry
 from kiln.config.engine import EngineConfig
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
@@ -177,12 +178,14 @@ class LLMEngine:
     def close(self) -> None:
         """Free the KV cache and the captured graphs now rather than whenever the garbage
         collector gets to them: an engine built next in this process sizes its KV cache from
-        the device memory left free. Unfinished requests are dropped."""
+        the device memory left free. Unfinished requests are dropped. The objects boot froze
+        out of the collector's passes (kiln/boot/heap.py) are given back to it first."""
         self.closed = True
         self.requests.clear()
         self.runner.release_memory()
         if self.speculator is not None and self.speculator.draft_model is not None:
             self.speculator.draft_model.release_memory()
+        unfreeze_heap()
         gc.collect()
 
     # ---- the step -------------------------------------------------------------------------
