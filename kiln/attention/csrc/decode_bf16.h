@@ -369,36 +369,35 @@ inline void values_for(const float* p, const float* correction, const uint16_t* 
     }
 }
 
-// Every head's sums from even/odd halves back into dimension order
+// Every head's sums back into dimension order: each 32 dims' two vectors (a, b) become
+// permutex2var(a, first, b) and permutex2var(a, second, b)
+inline void to_dim_order(float* acc, int64_t count, const int32_t* first, const int32_t* second) {
+  const __m512i lanes0 = _mm512_load_si512(first), lanes1 = _mm512_load_si512(second);
+  for (int64_t c = 0; c < count; c += 32) {
+    const __m512 a = _mm512_loadu_ps(acc + c), b = _mm512_loadu_ps(acc + c + 16);
+    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(a, lanes0, b));
+    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(a, lanes1, b));
+  }
+}
+
+// add_values' order (even and odd dims of each 32) back into dimension order
 inline void interleave_halves(float* acc, int64_t count) {
   alignas(64) static constexpr int32_t LOW[16] = {0, 16, 1, 17, 2, 18, 3, 19,
                                                   4, 20, 5, 21, 6, 22, 7, 23};
   alignas(64) static constexpr int32_t HIGH[16] = {8, 24, 9, 25, 10, 26, 11, 27,
                                                    12, 28, 13, 29, 14, 30, 15, 31};
-  const __m512i low = _mm512_load_si512(LOW), high = _mm512_load_si512(HIGH);
-  for (int64_t c = 0; c < count; c += 32) {
-    const __m512 even = _mm512_loadu_ps(acc + c), odd = _mm512_loadu_ps(acc + c + 16);
-    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(even, low, odd));
-    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(even, high, odd));
-  }
+  to_dim_order(acc, count, LOW, HIGH);
 }
 
-#if KILN_DECODE_PAIR_VALUES
-// Every head's sums from add_value_pairs' order back into dimension order: of each 32, lo lane
-// 4L + e is dim 8L + e and hi lane 4L + e is dim 8L + 4 + e
+// add_value_pairs' order back into dimension order: of each 32, lo lane 4L + e is dim 8L + e
+// and hi lane 4L + e is dim 8L + 4 + e
 inline void pair_order(float* acc, int64_t count) {
   alignas(64) static constexpr int32_t FIRST[16] = {0, 1, 2, 3, 16, 17, 18, 19,
                                                     4, 5, 6, 7, 20, 21, 22, 23};
   alignas(64) static constexpr int32_t SECOND[16] = {8, 9, 10, 11, 24, 25, 26, 27,
                                                      12, 13, 14, 15, 28, 29, 30, 31};
-  const __m512i first = _mm512_load_si512(FIRST), second = _mm512_load_si512(SECOND);
-  for (int64_t c = 0; c < count; c += 32) {
-    const __m512 lo = _mm512_loadu_ps(acc + c), hi = _mm512_loadu_ps(acc + c + 16);
-    _mm512_storeu_ps(acc + c, _mm512_permutex2var_ps(lo, first, hi));
-    _mm512_storeu_ps(acc + c + 16, _mm512_permutex2var_ps(lo, second, hi));
-  }
+  to_dim_order(acc, count, FIRST, SECOND);
 }
-#endif
 
 inline bool bf16_decode_supported(int64_t head_dim) {
   return head_dim > 0 && head_dim % 32 == 0 && head_dim <= 256;
