@@ -21,7 +21,6 @@ from kiln.boot.draft import (
     load_draft,
     measure_draft_graphs,
 )
-from kiln.boot.heap import freeze_boot_heap
 from kiln.boot.host_memory import fault_in, keep_freed_memory
 from kiln.boot.kv_cache import available_memory, size_kv_cache
 from kiln.boot.phases import BootPhases
@@ -44,6 +43,7 @@ from kiln.compile_cache.entry import (
 from kiln.config.engine import EngineConfig
 from kiln.config.graph_plan import GraphPlan
 from kiln.cudagraphs.graph_backend import GraphBackend
+from kiln.engine.heap import freeze_boot_heap
 from kiln.engine.llm_engine import BootReport, LLMEngine
 from kiln.engine.state_checkpoints import num_state_checkpoints
 from kiln.errors import ConfigError

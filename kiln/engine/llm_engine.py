@@ -11,13 +11,13 @@ from typing import Any
 
 import torch
 
-from kiln.boot.heap import unfreeze_heap
 from kiln.compile_cache.entry import CompileCacheEntry
 from kiln.config.engine import EngineConfig
 from kiln.config.graph_plan import GraphPlan, RuntimeMode
 from kiln.cudagraphs.graph_backend import CaptureStats
 from kiln.engine.block_manager import BlockManager
 from kiln.engine.executor import ModelExecutor, SampledTokens
+from kiln.engine.heap import unfreeze_heap
 from kiln.engine.output_processor import OutputProcessor
 from kiln.engine.request import Request, new_sequences, validate_prompt
 from kiln.engine.scheduler import Scheduler
@@ -179,7 +179,7 @@ class LLMEngine:
         """Free the KV cache and the captured graphs now rather than whenever the garbage
         collector gets to them: an engine built next in this process sizes its KV cache from
         the device memory left free. Unfinished requests are dropped. The objects boot froze
-        out of the collector's passes (kiln/boot/heap.py) are given back to it first."""
+        out of the collector's passes (kiln/engine/heap.py) are given back to it first."""
         self.closed = True
         self.requests.clear()
         self.runner.release_memory()
