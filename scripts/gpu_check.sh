@@ -16,6 +16,8 @@
 #   bash scripts/gpu_check.sh checks          # the tests and the Triton tests, side by side
 #   bash scripts/gpu_check.sh hybrid          # not in all: the graph modes on qwen3-next-random
 #   bash scripts/gpu_check.sh moe             # not in all: the MoE block, Triton vs _grouped_mm
+#   bash scripts/gpu_check.sh gdn             # not in all (60 s): the Triton GDN core's chunked
+#                                             # rule vs token by token, 1 to 16k tokens
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=. PYTHONUNBUFFERED=1
@@ -66,6 +68,12 @@ if [[ $PART == all || $PART == attention ]]; then
   # split against unsplit where the launcher splits the keys (the b=1 decodes)
   timeout 40 "$PY" benchmarks/attention_kernels.py --iters 30 \
     --output "$OUT/attention_kernels.json" 2>&1 | tee "$OUT/attention_kernels.log" | tail -8
+fi
+if [[ $PART == gdn ]]; then
+  # the Triton Gated DeltaNet core at Qwen3-Next's heads: its chunked rule for prefills
+  # against its token-by-token form (and the two checked equal), the PyTorch core and HF's
+  timeout 60 "$PY" benchmarks/gdn_op.py --triton --tokens 1 512 4096 16384 --rounds 3 2>&1 \
+    | grep -v Warning | tee "$OUT/gdn_op.log" | grep -E "^\||tokens:"
 fi
 if [[ $PART == all || $PART == bench ]]; then
   timeout 160 "$PY" benchmarks/graph_modes.py --model qwen3-0.6b-random --dtype bfloat16 \

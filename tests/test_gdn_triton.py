@@ -16,7 +16,8 @@ import torch
 pytest.importorskip("triton")
 
 from kiln.layers.gated_deltanet import _gdn_core
-from kiln.layers.gdn_triton import gdn_core_triton
+from kiln.layers.gdn_triton import CHUNK, gdn_core_triton
+from tests.helpers import load_benchmark
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # compiled on a GPU
 HK, HV, DK, DV, WIDTH = 2, 4, 16, 8, 4
@@ -31,44 +32,58 @@ REQUESTS = [
     (3, 12, 1, -1, -1, 8),  # verifying 2 drafts: its state after tokens 1 and 2 into rows 8, 9
 ]
 PADDED = 22
+# longer requests: the chunked rule's blocks of CHUNK rows are cut from the step's rows, so
+# these start and end mid-block, share blocks with their neighbours and span several; the
+# checkpoint lies two blocks into its request, on no block edge
+LONG = [
+    (1, 50, 3, -1, -1, -1),
+    (45, 100, 0, -1, -1, -1),  # rows 1-45: continuing its state over blocks 0 and 1
+    (70, 70, 5, 40, 2, -1),  # rows 46-115, fresh, its state after 40 tokens (row 85) saved
+    (5, 5, 4, 5, 0, -1),  # the shortest that takes blocks, its checkpoint on its last token
+    (3, 12, 1, -1, -1, 8),
+    (1, 9, 2, -1, -1, -1),
+]
+assert CHUNK == 32, "LONG's rows are laid out for blocks of 32"
 
 
-def _step(seed: int):
+def _step(seed: int, requests=REQUESTS, padded: int = PADDED):
     g = torch.Generator().manual_seed(seed)
-    tokens = sum(r[0] for r in REQUESTS)
-    starts = torch.tensor([0, *torch.tensor([r[0] for r in REQUESTS]).cumsum(0).tolist()])
-    qsl = torch.full((MAX_SEQS + 2,), PADDED, dtype=torch.int32)  # as fill() then pad() leave it
+    tokens = sum(r[0] for r in requests)
+    starts = torch.tensor([0, *torch.tensor([r[0] for r in requests]).cumsum(0).tolist()])
+    qsl = torch.full((MAX_SEQS + 2,), padded, dtype=torch.int32)  # as fill() then pad() leave it
     qsl[: len(starts)] = starts
     whole = [torch.randint(0, 99, (MAX_SEQS,), generator=g, dtype=torch.int32) for _ in range(5)]
     for column, buffer in enumerate(whole):  # stale past the batch, except the slots: -1
-        buffer[: len(REQUESTS)] = torch.tensor([r[column + 1] for r in REQUESTS])
-    whole[1][len(REQUESTS) :] = -1
-    mixed = torch.randn(PADDED, CHANNELS, generator=g)
+        buffer[: len(requests)] = torch.tensor([r[column + 1] for r in requests])
+    whole[1][len(requests) :] = -1
+    mixed = torch.randn(padded, CHANNELS, generator=g)
     mixed[tokens:] = 0
-    decay = -torch.rand(PADDED, HV, generator=g) * 2
-    beta = torch.rand(PADDED, HV, generator=g)
+    decay = -torch.rand(padded, HV, generator=g) * 2
+    beta = torch.rand(padded, HV, generator=g)
     weight = torch.randn(CHANNELS, 1, WIDTH, generator=g)
     states = [torch.randn(ROWS, CHANNELS, WIDTH - 1, generator=g),
               torch.randn(ROWS, HV, DK, DV, generator=g),
               torch.randn(ENTRIES, CHANNELS, WIDTH - 1, generator=g),
               torch.randn(ENTRIES, HV, DK, DV, generator=g)]  # fmt: skip
-    out = torch.full((PADDED, HV, DV), float("nan"))
+    out = torch.full((padded, HV, DV), float("nan"))
     return (mixed, decay, beta, weight, *states, out), qsl, whole
 
 
-def test_the_triton_core_equals_the_pytorch_core():
-    layer, qsl, whole = _step(0)
+@pytest.mark.parametrize("requests, padded", [(REQUESTS, PADDED), (LONG, 131)],
+                         ids=["short", "long"])  # fmt: skip
+def test_the_triton_core_equals_the_pytorch_core(requests, padded):
+    layer, qsl, whole = _step(0, requests, padded)
     ours = [t.to(DEVICE, copy=True) for t in layer]
     ref = [t.clone() for t in layer]
     gdn_core_triton(*ours, qsl.to(DEVICE), *(w.to(DEVICE) for w in whole), HK, DK)
-    b = len(REQUESTS)
+    b = len(requests)
     _gdn_core(*ref, qsl[: b + 1], *(w[:b] for w in whole), HK, DK)
     names = ["conv states", "recurrent states", "saved conv", "saved recurrent", "out"]
     for name, a, r in zip(names, ours[4:], ref[4:], strict=True):
         torch.testing.assert_close(a.cpu(), r, rtol=2e-5, atol=2e-5, msg=name)
-    assert not ours[-1][sum(r[0] for r in REQUESTS) :].any()  # padding rows: zeros
-    # the tolerance: float32 sums in another order (the PyTorch core's chunked form for the
-    # chunks longer than 4 tokens), over states of norm ~10
+    assert not ours[-1][sum(r[0] for r in requests) :].any()  # padding rows: zeros
+    # the tolerance: float32 sums in another order (the PyTorch core's blocks start at each
+    # request's first row, the Triton core's at the step's), over states of norm ~10
 
 
 def test_a_batch_of_padding_only_touches_no_state():
@@ -95,4 +110,14 @@ def test_the_kernels_compile_for_cuda(dtype, tmp_path):
     cmd = [sys.executable, "-m", "tests.triton_cuda_compile", "gdn", dtype]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["gdn_conv_kernel", "ok", "gdn_rule_kernel", "ok"]
+    kernels = ["gdn_conv_kernel", "gdn_rule_kernel", "gdn_chunk_prep_kernel",
+               "gdn_chunk_rule_kernel"]  # fmt: skip
+    assert done.stdout.split() == [word for kernel in kernels for word in (kernel, "ok")]
+
+
+def test_the_gdn_benchmark_runs():
+    """benchmarks/gdn_op.py's smoke run on the CPU (its Triton rows need a GPU): every row
+    timed, for the current op schema."""
+    rows = load_benchmark("gdn_op").main(["--small", "--tokens", "1", "8", "--rounds", "1"])
+    assert [r["tokens"] for r in rows] == [1, 8]
+    assert all(r["kiln"] > 0 and r["hf"] > 0 for r in rows)

@@ -69,11 +69,18 @@ def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str, segments:
 
 
 # Qwen3-Next's Gated DeltaNet shapes: 16 key heads, 32 value heads, 128 dims, kernel 4
+_HEADS = {"PER_KEY": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "UP_TO": 4}
+_CHUNKED = _HEADS | {"CHUNK": gdn_triton.CHUNK, "PRECISION": gdn_triton.PRECISION}
 GDN_CONSTANTS = {
-    gdn_triton.gdn_conv_kernel: {"W": 4, "BLOCK_C": 256},
-    gdn_triton.gdn_rule_kernel: {"PER_KEY": 2, "DK": 128, "DV": 128, "BLOCK_K": 128,
-                                 "BLOCK_V": 32},
+    gdn_triton.gdn_conv_kernel: {"W": 4, "BLOCK_W1": 4, "BLOCK_T": gdn_triton.CONV_TOKENS,
+                                 "BLOCK_C": gdn_triton.CONV_CHANNELS},
+    gdn_triton.gdn_rule_kernel: _HEADS | {"BLOCK_V": 32},
+    gdn_triton.gdn_chunk_prep_kernel: _CHUNKED | {"BLOCK_DV": 128},
+    gdn_triton.gdn_chunk_rule_kernel: _CHUNKED | {"BLOCK_V": gdn_triton.CHAIN_VALUES},
 }  # fmt: skip
+# launched with more warps: their [CHUNK, 128] tiles
+GDN_WARPS = {gdn_triton.gdn_chunk_prep_kernel: gdn_triton.CHUNK_WARPS,
+             gdn_triton.gdn_chunk_rule_kernel: gdn_triton.CHUNK_WARPS}  # fmt: skip
 # the model dtype's tensors (the rest: float32 scratch, decay, beta and recurrent states)
 GDN_MODEL_DTYPE = ("mixed_ptr", "weight_ptr", "conv_states_ptr", "saved_conv_ptr", "out_ptr")
 
@@ -89,7 +96,8 @@ def compile_gdn_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> No
     signature = {n: "constexpr" if n in constants else types.get(n, "i32")
                  for n in kernel.arg_names}  # fmt: skip
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    options = {"num_warps": GDN_WARPS.get(kernel, 4)}
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
     if compiled.asm["cubin"][:4] != b"\x7fELF":
         raise SystemExit(f"{kernel.__name__}: no cubin in the compiled output")
 
