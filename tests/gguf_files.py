@@ -50,6 +50,14 @@ def _llama_cpp_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     )
 
 
+def _permuted(tensors, cfg):
+    for name, data in tensors:
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+            data = _llama_cpp_permute(data, heads)
+        yield name, data
+
+
 def _hf_tensors(hf_model):
     """The state dict as llama.cpp's converter sees it: a Qwen3-MoE layer's experts (stacked
     `gate_up_proj` [E, 2I, H] and `down_proj` in transformers' memory) as three stacks."""
@@ -191,12 +199,36 @@ def _qwen3next_metadata(w: gguf.GGUFWriter, cfg) -> None:
     w.add_rope_dimension_count(int(cfg.head_dim * rotary))
 
 
+def _fused(tensors):
+    """llama.cpp's --fuse-qkv and --fuse-gate-up-exps: each layer's q, k and v (after the
+    permutation) as `attn_qkv`, one after another along the rows (weights and biases), and its
+    stacked experts' gate and up as `ffn_gate_up_exps`, gate rows first in each expert."""
+    held: dict[str, np.ndarray] = {}
+    groups = {"attn_qkv": ("q_proj", "k_proj", "v_proj"), "ffn_gate_up_exps": ("stacked_gate",
+              "stacked_up")}  # fmt: skip
+    for name, data in tensors:
+        group = next((g for g, parts in groups.items() if any(f".{p}" in name for p in parts)),
+                     None)  # fmt: skip
+        if group is None or not name.startswith("model.layers."):
+            yield name, data
+            continue
+        held[name] = data
+        layer, leaf = name.split(".")[2], name.rsplit(".", 1)[1]
+        leaf = leaf if leaf in ("weight", "bias") else "weight"  # the stacks have no leaf
+        parts = [n for p in groups[group] for n in held if f".{layer}." in n and f".{p}" in n
+                 and n.endswith(leaf if leaf == "bias" else ("weight", p))]  # fmt: skip
+        if len(parts) == len(groups[group]):
+            axis = 1 if group == "ffn_gate_up_exps" else 0
+            yield f"blk.{layer}.{group}.{leaf}", np.concatenate([held.pop(n) for n in parts], axis)
+
+
 def write_gguf(
     path, hf_model, kind_of: Callable[[str], gguf.GGMLQuantizationType], arch: str = "llama",
-    mtp: dict | None = None,
+    mtp: dict | None = None, fuse: bool = False,
 ) -> None:  # fmt: skip
     """arch: "llama" (q/k permuted), "qwen3moe" (a Qwen3-MoE model), "qwen3next", "qwen35" or
-    "qwen35moe" (`mtp`: a Qwen3.5 MTP head's `mtp.*` tensors, written as llama.cpp does)."""
+    "qwen35moe" (`mtp`: a Qwen3.5 MTP head's `mtp.*` tensors, written as llama.cpp does).
+    `fuse`: the dense architectures' q/k/v and experts' gate/up fused, as `_fused`."""
     cfg = hf_model.config
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers + (1 if mtp else 0))
@@ -218,10 +250,8 @@ def write_gguf(
     tensors = (_qwen3next_tensors(hf_model) if arch == "qwen3next"
                else _qwen35_tensors(hf_model, mtp) if arch.startswith("qwen35")
                else _hf_tensors(hf_model))  # fmt: skip
-    for name, data in tensors:
-        if arch == "llama" and name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
-            data = _llama_cpp_permute(data, heads)
+    tensors = _permuted(tensors, cfg) if arch == "llama" else tensors
+    for name, data in _fused(tensors) if fuse else tensors:
         # llama.cpp keeps norms, the convolution and the routers in float32
         kind = kind_of(name) if data.ndim >= 2 and "ssm_conv1d" not in name else T.F32
         q = data if kind == T.F32 else gguf.quants.quantize(data, kind)

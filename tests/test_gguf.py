@@ -206,3 +206,33 @@ def test_hybrid_column_reorder_keeps_whole_groups_quantized():
     dense = _columns(t, split_groups)
     assert isinstance(dense, torch.Tensor)
     torch.testing.assert_close(dense, t.dequantize()[:, split_groups], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kind", [T.F32, T.Q4_0], ids=["F32", "Q4_0"])
+@pytest.mark.parametrize("name, arch", [("llama", "llama"), ("qwen2", "qwen2"),
+                                        ("qwen3_moe", "qwen3moe")])  # fmt: skip
+def test_fused_projections_read_back_apart(tiny_models, tmp_path, kind, name, arch):
+    """A file from llama.cpp's converter with --fuse-qkv and --fuse-gate-up-exps (`attn_qkv`:
+    q, k and v along the rows, Llama's q and k permuted, Qwen2's biases too;
+    `ffn_gate_up_exps`: each expert's gate then up) gives the config and every tensor of the
+    unfused file, dense and as 4-bit planes."""
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models[name])
+    paths = {fuse: tmp_path / f"{fuse}.gguf" for fuse in (False, True)}
+    for fuse, path in paths.items():
+        write_gguf(path, hf, lambda _: kind, arch=arch, fuse=fuse)
+    names = {t.name.split(".")[-2] for t in GGUFFile(str(paths[True])).tensors}
+    assert "attn_qkv" in names and "attn_q" not in names
+    assert ("ffn_gate_up_exps" in names) == (arch == "qwen3moe")
+    fused, apart = GGUFSource(str(paths[True])), GGUFSource(str(paths[False]))
+    assert fused.config == apart.config
+    for keep_packed in (False, True):
+        ours = dict(fused.tensors(torch.float32, keep_packed))
+        theirs = dict(apart.tensors(torch.float32, keep_packed))
+        assert ours.keys() == theirs.keys()
+        for key, tensor in ours.items():
+            if isinstance(tensor, torch.Tensor):
+                assert torch.equal(tensor, theirs[key]), key
+                continue
+            for plane, their_plane in zip(tensor.planes, theirs[key].planes, strict=True):
+                for field in ("codes", "scale", "zero"):
+                    assert torch.equal(getattr(plane, field), getattr(their_plane, field)), key

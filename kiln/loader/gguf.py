@@ -5,7 +5,12 @@ chat template from the file's metadata (via transformers).
 Mixture-of-experts files (`qwen3moe`) hold each layer's experts as three stacked tensors,
 `ffn_{gate,up,down}_exps` [experts, rows, columns]; they are handed to the model one expert at a
 time, under the names transformers saves them with (as 4-bit planes where the type packs, so the
-model can keep them packed). A layer without a router (`ffn_gate_inp`) is a dense one."""
+model can keep them packed). A layer without a router (`ffn_gate_inp`) is a dense one.
+
+llama.cpp's converter can fuse projections (`--fuse-qkv`, `--fuse-gate-up-exps`): `attn_qkv`
+holds q, k and v one after another along the rows (for `llama`, q and k in the converter's
+permuted order, as apart), `ffn_gate_up_exps` each expert's gate then up rows. They are cut
+back into the separate tensors (rows of 4-bit planes stay packed)."""
 
 from __future__ import annotations
 
@@ -92,13 +97,46 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
 
 
-def _expert_planes(name: str, kind: str, t: GGUFTensor) -> Iterator[tuple[str, QuantizedTensor]]:
-    """A stacked expert tensor ([experts, rows, columns]) as each expert's 4-bit planes, read
-    one expert at a time."""
+# fused tensors (llama.cpp's --fuse-qkv, --fuse-gate-up-exps): the HF tensors they hold, in
+# row order
+_FUSED_NAMES = {
+    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "ffn_gate_up_exps": ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj"),
+}
+Rows = tuple[int, int]  # first row, row count
+
+
+def _fused_name(gguf_name: str) -> str | None:
+    """'blk.3.attn_qkv.weight' -> 'model.layers.3.{part}.weight' (a pattern the parts fill)."""
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if m is None or m.group(2) not in _FUSED_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{{part}}.{m.group(3)}"
+
+
+def take_rows(x, rows: Rows | None):
+    """Rows of a weight ([rows, ...], or [experts, rows, ...] stacked) or of 4-bit planes."""
+    if rows is None:
+        return x
+    first, count = rows
+    if isinstance(x, QuantizedTensor):
+        cut = lambda p: p[first : first + count].contiguous()  # noqa: E731
+        return QuantizedTensor(x.kind, [Int4Codes(cut(p.codes), cut(p.scale), cut(p.zero),
+                                                  p.group_size) for p in x.planes])  # fmt: skip
+    return x[..., first : first + count, :] if x.ndim == 3 else x[first : first + count]
+
+
+def _expert_planes(
+    name: str, kind: str, t: GGUFTensor, parts: list[tuple[str, Rows | None]]
+) -> Iterator[tuple[str, QuantizedTensor]]:
+    """A stacked expert tensor ([experts, rows, columns]) as each expert's 4-bit planes (cut
+    into `parts` where it is fused), read one expert at a time."""
     experts, rows, columns = reversed(t.shape)
     data = np.asarray(t.data).reshape(experts, -1)
     for e in range(experts):
-        yield name.format(e), gguf_codes(kind, data[e], (rows, columns))
+        planes = gguf_codes(kind, data[e], (rows, columns))
+        for part, part_rows in parts:
+            yield part.format(e), take_rows(planes, part_rows)
 
 
 def dequantize(t: GGUFTensor | gguf.ReaderTensor) -> np.ndarray:
@@ -173,7 +211,7 @@ class GGUFSource(ModelSource):
             rope_theta=self._field(f"{a}.rope.freq_base", 10000.0),
             rope_scaling=self._rope_scaling(),
             tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
+            attention_bias=bool({"blk.0.attn_q.bias", "blk.0.attn_qkv.bias"} & names),
             qk_norm=any(n.endswith("attn_q_norm.weight") for n in names),
             bos_token_id=self._field("tokenizer.ggml.bos_token_id"),
             eos_token_ids=() if eos is None else (eos,),
@@ -238,32 +276,56 @@ class GGUFSource(ModelSource):
         before they take `dtype`."""
         became: Counter[str] = Counter()
         for t in self.file.tensors:
-            name = self._hf_name(t.name)
-            if name is None:
+            parts = self._parts(t.name)
+            if not parts:
                 continue
-            heads = self._permuted_heads(name)
             kind = t.tensor_type.name
-            what = "experts " if "{}" in name else ""
+            what = ("fused " if parts[0][1] is not None else "") + (
+                "experts " if "{}" in parts[0][0] else "")  # fmt: skip
             if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) in (2, 3):
                 became[f"{kind} {what}read as 4-bit planes"] += 1
-                if "{}" in name:
-                    yield from _expert_planes(name, kind, t)
+                if len(t.shape) == 3:
+                    yield from _expert_planes(parts[0][0], kind, t, parts)
                     continue
                 packed = gguf_codes(kind, t.data, tuple(reversed(t.shape)))
-                yield name, packed if heads is None else _unpermute_planes(packed, heads)
+                for name, rows in parts:
+                    heads = self._permuted_heads(name)
+                    piece = take_rows(packed, rows)
+                    yield name, piece if heads is None else _unpermute_planes(piece, heads)
                 continue
             dense = str(dtype).removeprefix("torch.")
             became[f"{kind} {what}as {dense}" if kind in ("F32", "F16", "BF16")
                    else f"{kind} {what}dequantized to {dense}"] += 1  # fmt: skip
             data = dequantize(t)
-            if heads is not None:
-                data = unpermute_qk(data, heads)
-            weight = adjust(name, torch.from_numpy(np.array(data, dtype=np.float32))).to(dtype)
-            if "{}" in name:  # stacked experts, one at a time
-                yield from ((name.format(e), w) for e, w in enumerate(weight))
-                continue
-            yield name, weight
+            for name, rows in parts:
+                yield from self._dense(name, take_rows(data, rows), dtype, adjust)
         logger.info("GGUF tensors: %s", ", ".join(f"{n} {what}" for what, n in became.items()))
+
+    def _dense(self, name: str, data: np.ndarray, dtype: torch.dtype, adjust):
+        heads = self._permuted_heads(name)
+        if heads is not None:
+            data = unpermute_qk(data, heads)
+        weight = adjust(name, torch.from_numpy(np.array(data, dtype=np.float32))).to(dtype)
+        if "{}" in name:  # stacked experts, one at a time
+            yield from ((name.format(e), w) for e, w in enumerate(weight))
+            return
+        yield name, weight
+
+    def _parts(self, gguf_name: str) -> list[tuple[str, Rows | None]]:
+        """The HF tensors a GGUF tensor holds and their rows ([] for none, rows None for all)."""
+        fused = _fused_name(gguf_name) if self.arch not in hybrid.ARCHITECTURES else None
+        if fused is None:
+            name = self._hf_name(gguf_name)
+            return [] if name is None else [(name, None)]
+        parts = _FUSED_NAMES[gguf_name.split(".")[2]]
+        c = self.config
+        if len(parts) == 3:  # q, k, v
+            sizes = [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+        else:  # each expert's gate, up
+            sizes = [c.moe.intermediate_size] * 2  # type: ignore[union-attr]
+        firsts = np.cumsum([0, *sizes[:-1]]).tolist()
+        rows = zip(parts, firsts, sizes, strict=True)
+        return [(fused.format(part=p), (first, n)) for p, first, n in rows]
 
     def _hf_name(self, gguf_name: str) -> str | None:
         if self.arch in hybrid.ARCHITECTURES:
