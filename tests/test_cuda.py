@@ -261,6 +261,33 @@ def test_packed_matmul_on_cuda_matches_dequantized_and_replays_in_a_graph(kind):
     torch.testing.assert_close(static_y, packed(static_x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q8_0"])
+def test_packed_experts_on_cuda_match_dequantized_and_replay_in_a_graph(kind):
+    """Experts kept 4-bit on CUDA (the Triton grouped int4 kernel), eager in bf16 against the
+    per-token product on the dequantized weights, and replayed in a CUDA graph."""
+    from tests.test_packed_experts import BF16_ULP, _experts, _per_token, _routing
+
+    cuda = torch.device("cuda")
+    experts, gate_up, down = _experts([kind] * 3, device=cuda)
+    assert set(experts.packed) == {"gate_up_proj", "down_proj"}
+    assert experts.packed["down_proj"].packed0.device.type == "cuda"
+    x, ids, weights = _routing(9)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    args = (x.cuda().bfloat16(), ids.cuda(), weights.cuda().bfloat16())
+    torch.testing.assert_close(experts(*args).float().cpu(), ref, rtol=0,
+                               atol=16 * BF16_ULP * ref.abs().max().item())  # fmt: skip
+    static = [a.clone() for a in args]
+    experts(*static)  # warm: compiles the kernel
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_y = experts(*static)
+    x2, ids2, weights2 = _routing(9, seed=4)
+    for s, new in zip(static, (x2.bfloat16(), ids2, weights2.bfloat16()), strict=True):
+        s.copy_(new)
+    graph.replay()
+    torch.testing.assert_close(static_y, experts(*static), rtol=0, atol=0)
+
+
 def test_packed_model_in_full_and_piecewise_graphs_equals_eager(tiny_models, packed_gguf):
     def engine(config: CompilationConfig) -> LLMEngine:
         scheduler = SchedulerConfig(max_num_batched_tokens=32, max_num_seqs=8, max_model_len=128)

@@ -13,7 +13,12 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from kiln.layers.moe import FusedExperts
-from kiln.layers.packed_experts import PackedExperts, unpackable_reason
+from kiln.layers.packed_experts import (
+    PackedExperts,
+    nibble_dequantize,
+    nibble_plane,
+    unpackable_reason,
+)
 from kiln.loader.gguf_quant import gguf_codes
 from tests.conftest import packed_moe_kind
 
@@ -42,11 +47,12 @@ def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
     return ref, gguf_codes(kind, data, (n, k))
 
 
-def _experts(kinds: list, seed: int = 0):
+def _experts(kinds: list, seed: int = 0, device: torch.device = CPU):
     """FusedExperts loaded with expert e's three parts in `kinds[e]` (None: dense float32; a
-    tuple: gate, up and down each its own), and the float32 reference stacks."""
+    tuple: gate, up and down each its own), and the float32 reference stacks (on the CPU)."""
     rng = np.random.default_rng(seed)
-    experts = FusedExperts(len(kinds), H, I)
+    with device:
+        experts = FusedExperts(len(kinds), H, I)
     gate_up, down = torch.empty(len(kinds), 2 * I, H), torch.empty(len(kinds), H, I)
     for e, kinds_of_expert in enumerate(kinds):
         for i, (proj, (n, k), rows) in enumerate((("gate_proj", (I, H), gate_up[e, :I]),
@@ -60,7 +66,7 @@ def _experts(kinds: list, seed: int = 0):
             ref, planes = _quantized(kind, n, k, rng)
             rows.copy_(ref)
             experts.load_quantized(e, proj, planes)
-    experts.finalize(CPU)
+    experts.finalize(device)
     return experts, gate_up, down
 
 
@@ -146,10 +152,23 @@ def _assert_equal_but_packed_scales(experts, gate_up, down, packed_first: list[i
     torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
 
 
-def test_packed_experts_are_cpu_only():
+def test_packed_experts_run_on_the_cpu_and_cuda():
     _, planes = _quantized("Q4_0", 64, 256, np.random.default_rng(0))
     assert unpackable_reason(planes, CPU) is None
-    assert "CPU only" in unpackable_reason(planes, torch.device("cuda"))
+    assert unpackable_reason(planes, torch.device("cuda")) is None
+    assert "the CPU and CUDA" in unpackable_reason(planes, torch.device("mps"))
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+def test_the_cuda_layout_holds_the_planes(kind):
+    """Two codes a byte and bf16 scales per group (the Triton grouped kernel's layout) give
+    back the planes' weight, within the scales' bf16 rounding (exact for Q4_0's codes)."""
+    ref, planes = _quantized(kind, 64, 256, np.random.default_rng(1))
+    back = sum(nibble_dequantize(*nibble_plane(p, CPU), 32) for p in planes.planes)
+    torch.testing.assert_close(back, ref, rtol=0, atol=2 * BF16_ULP * ref.abs().max().item())
+    codes = planes.planes[0].codes
+    pairs, _ = nibble_plane(planes.planes[0], CPU)
+    assert torch.equal(pairs & 15, codes[:, 0::2]) and torch.equal(pairs >> 4, codes[:, 1::2])
 
 
 def _dequantized_hf(path: str):

@@ -3,7 +3,8 @@ down to a cubin with its bundled ptxas. Run by tests/test_triton_backend.py in a
 (the tests' interpreter mode replaces the code generator):
 
     python -m tests.triton_cuda_compile fp32|bf16|fp16 [segments]
-    python -m tests.triton_cuda_compile gdn fp32|bf16     # the Gated DeltaNet core's kernels"""
+    python -m tests.triton_cuda_compile gdn fp32|bf16     # the Gated DeltaNet core's kernels
+    python -m tests.triton_cuda_compile int4-experts fp32|bf16   # the packed experts' kernel"""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from kiln.attention import triton_backend, triton_kernel
-from kiln.layers import gdn_triton
+from kiln.layers import gdn_triton, moe_triton
 
 # a head dim that is not a power of two exercises the masks; 3 heads per KV head, an idle row
 CONSTANTS = {
@@ -102,7 +103,28 @@ def compile_gdn_for_hopper(kernel: triton.runtime.JITFunction, dtype: str) -> No
         raise SystemExit(f"{kernel.__name__}: no cubin in the compiled output")
 
 
+def compile_int4_experts_for_hopper(dtype: str) -> None:
+    """The grouped int4 expert kernel with two planes (Q8_0), as the launcher specializes it."""
+    kernel = moe_triton._grouped_int4_kernel
+    constants = {"PLANES": 2, "PRECISION": "ieee" if dtype == "fp32" else "tf32",
+                 "BLOCK_M": moe_triton.BLOCK_M, "BLOCK_N": moe_triton.BLOCK_N,
+                 "BLOCK_K": moe_triton.BLOCK_K}  # fmt: skip
+    types = {"rows_ptr": f"*{dtype}", "out_ptr": f"*{dtype}", "codes_ptr": "*u8",
+             "codes2_ptr": "*u8", "sz_ptr": "*bf16", "sz2_ptr": "*bf16", "tile_expert": "*i32",
+             "tile_start": "*i32", "tile_end": "*i32"}  # fmt: skip
+    signature = {n: "constexpr" if n in constants else types.get(n, "i32")
+                 for n in kernel.arg_names}  # fmt: skip
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32))
+    if compiled.asm["cubin"][:4] != b"\x7fELF":
+        raise SystemExit(f"{kernel.__name__}: no cubin in the compiled output")
+
+
 def main() -> None:
+    if sys.argv[1] == "int4-experts":
+        compile_int4_experts_for_hopper(sys.argv[2])
+        print("_grouped_int4_kernel ok")
+        return
     if sys.argv[1] == "gdn":
         for kernel in GDN_CONSTANTS:
             compile_gdn_for_hopper(kernel, sys.argv[2])

@@ -7,8 +7,9 @@ parallelism is a slice of dimension 0 and a quantized implementation replaces tw
 The routed rows are sorted by expert, so a step runs one matmul per active expert, never one
 per token. That product is one custom op, `kiln::moe_experts`, which Dynamo does not trace
 into: its grouping is data-dependent, and the graph around it stays one compiled piece.
-Quantized experts stay packed per stack on the CPU (kiln/layers/packed_experts.py) and run
-through `kiln::moe_experts_int4`, the same loop over the packed planes."""
+Quantized experts stay packed per stack (kiln/layers/packed_experts.py) and run through
+`kiln::moe_experts_int4`: on the CPU the same loop over the packed planes, on CUDA one grouped
+Triton launch per projection."""
 
 from __future__ import annotations
 
@@ -83,7 +84,7 @@ PROJECTIONS = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_pro
 
 
 class FusedExperts(nn.Module):
-    """The experts' two stacks, dense or kept packed per stack (`packed`, CPU only)."""
+    """The experts' two stacks, dense or kept packed per stack (`packed`)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()

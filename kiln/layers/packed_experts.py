@@ -10,11 +10,13 @@ stack, so the load holds one layer's gate codes until the up parts arrive, never
 stack's first dimension is the expert, so expert parallelism (not built yet) will slice it as
 it will slice the dense stack.
 
-The product is `kiln::moe_experts_int4`: the rows sorted by expert as the dense op sorts them,
-one int4 matmul per active expert (PyTorch's CPU kernel through `int4_mm`'s row-count policy).
-A projection that could not be packed passes its dense stack instead. Packed experts run on the
-CPU only: CUDA has no grouped int4 product here, so there they are dequantized at load and the
-weight report says so."""
+The product is `kiln::moe_experts_int4`: the rows sorted by expert as the dense op sorts them.
+On the CPU, one int4 matmul per active expert (PyTorch's CPU kernel through `int4_mm`'s
+row-count policy). On CUDA, one launch per projection for all experts, kiln's Triton grouped
+kernel (kiln/layers/moe_triton.py) reading the planes in a layout of its own (`nibble_plane`:
+two codes a byte, bf16 scales and zeros per group), with the group ends on the device, so a
+CUDA graph captures it. A projection that could not be packed passes its dense stack
+instead."""
 
 from __future__ import annotations
 
@@ -25,21 +27,48 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t
-from kiln.layers.expert_routing import experts_loop
-from kiln.layers.packed import QuantizedTensor, cat_rows, int4_matmul, pack_plane
+from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
+from kiln.layers.packed import Int4Codes, QuantizedTensor, cat_rows, int4_matmul, pack_plane
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 
 
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     """Why an expert's quantized projection is not kept packed on `device`, or None."""
-    if device.type != "cpu":
-        return f"device {device.type} (kiln's packed experts run on the CPU only)"
-    return matrix_unpackable_reason(t, device)
+    if device.type == "cpu":
+        return matrix_unpackable_reason(t, device)
+    if device.type != "cuda":
+        return f"device {device.type} (kiln's packed experts run on the CPU and CUDA)"
+    k = t.shape[1]
+    if k % 2 or k % t.group_size:
+        return f"{k} input features (the Triton kernel needs a multiple of 2 and of the group)"
+    return None
+
+
+def nibble_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A plane in the Triton grouped kernel's layout: codes two to a byte [N, K / 2] (the even
+    column in the low nibble), scales and zeros [K / G, N, 2] bf16 (as the packed linears)."""
+    codes = plane.codes.to(torch.uint8)
+    pairs = codes[:, 0::2] | codes[:, 1::2] << 4
+    scales_zeros = torch.stack([plane.scale.t(), plane.zero.t()], -1).to(torch.bfloat16)
+    return pairs.contiguous().to(device), scales_zeros.contiguous().to(device)
+
+
+def nibble_dequantize(pairs: torch.Tensor, scales_zeros: torch.Tensor, group_size: int):
+    """float32 [N, K] of a plane in `nibble_plane`'s layout."""
+    codes = torch.stack([pairs & 15, pairs >> 4], -1).flatten(-2).float()
+    scale, zero = (scales_zeros[..., i].t().float().repeat_interleave(group_size, 1)
+                   for i in (0, 1))  # fmt: skip
+    return (codes - 8) * scale + zero
+
+
+def _pack(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return pack_plane(plane, device) if device.type == "cpu" else nibble_plane(plane, device)
 
 
 class PackedExperts(nn.Module):
     """One projection of every expert: buffers `packed{i}` [experts, ...] and
-    `scales_zeros{i}` [experts, K/G, N padded, 2] per plane i (two for Q8_0)."""
+    `scales_zeros{i}` [experts, K/G, N (padded on the CPU), 2] per plane i (two for Q8_0), in
+    the CPU kernel's layout or, on CUDA, `nibble_plane`'s."""
 
     def __init__(self, stacks: list[tuple[torch.Tensor, torch.Tensor]], kind: str,
                  group_size: int, shape: tuple[int, int]) -> None:  # fmt: skip
@@ -66,6 +95,10 @@ class PackedExperts(nn.Module):
 
 
 def _dequantize_expert(stacks, expert: int, group_size: int, rows: int) -> torch.Tensor:
+    if stacks[0][0].device.type != "cpu":
+        return functools.reduce(torch.add, (
+            nibble_dequantize(p[expert], sz[expert], group_size) for p, sz in stacks
+        ))  # fmt: skip
     w = functools.reduce(torch.add, (
         cpu_dequantize_t(p[expert], sz[expert], group_size, torch.float32) for p, sz in stacks
     ))  # fmt: skip
@@ -87,8 +120,8 @@ class ExpertPacker:
         # (kind, planes, group size, shape) every expert must share, from the first one
         self.format: tuple[str, int, int, tuple[int, int]] | None = None
         self.reason: str | None = None
-        if device.type != "cpu":
-            self.reason = f"device {device.type} (kiln's packed experts run on the CPU only)"
+        if device.type not in ("cpu", "cuda"):
+            self.reason = f"device {device.type} (kiln's packed experts run on the CPU and CUDA)"
 
     def add(self, expert: int, part: str, t: QuantizedTensor) -> None:
         """Take one part; an expert whose parts are all in is packed, or sets `reason` (its
@@ -103,7 +136,7 @@ class ExpertPacker:
             return
         del self.parts[expert]
         for i, plane in enumerate(cat_rows(ordered).planes):
-            packed, scales_zeros = pack_plane(plane, self.device)
+            packed, scales_zeros = _pack(plane, self.device)
             if len(self.stacks) == i:  # written in place: the load never copies a stack
                 self.stacks.append(tuple(  # type: ignore[arg-type]
                     x.new_empty(self.num_experts, *x.shape) for x in (packed, scales_zeros)
@@ -162,6 +195,10 @@ def _moe_experts_int4(
     down: list[torch.Tensor], down_sz: list[torch.Tensor], group_sizes: list[int],
     intermediate: int, ids: torch.Tensor, weights: torch.Tensor, int8_planes: int = 0,
 ) -> torch.Tensor:  # fmt: skip
+    if x.device.type != "cpu":
+        return _experts_on_triton(x, (gate_up, gate_up_sz), (down, down_sz), group_sizes, ids,
+                                  weights)  # fmt: skip
+
     def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
         hidden = _expert_product(rows, gate_up, gate_up_sz, group_sizes[0], expert,
                                  2 * intermediate, int8_planes)  # fmt: skip
@@ -170,6 +207,19 @@ def _moe_experts_int4(
                                x.shape[-1], int8_planes)  # fmt: skip
 
     return experts_loop(x, ids, weights, gate_up[0].shape[0], project)
+
+
+def _experts_on_triton(x, gate_up, down, group_sizes, ids, weights) -> torch.Tensor:
+    """The CUDA path: every stack in one grouped launch; (planes, scales) pairs whose scales
+    list is empty are a dense stack."""
+    from kiln.layers.moe_triton import experts_triton  # triton: a CUDA dependency
+
+    def stack(planes: list[torch.Tensor], scales_zeros: list[torch.Tensor]):
+        return list(zip(planes, scales_zeros, strict=True)) if scales_zeros else planes[0]
+
+    tokens, order, counts = sorted_by_expert(ids, gate_up[0][0].shape[0])
+    out = experts_triton(x[tokens], stack(*gate_up), stack(*down), counts, tuple(group_sizes))
+    return combine(x, out, tokens, order, weights)
 
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
