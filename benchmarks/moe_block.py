@@ -3,9 +3,13 @@ active expert, and the grouped product CUDA graphs capture) against HF transform
 Qwen3-MoE block on the same weights, in one run, interleaved, medians of each. Shapes are
 Qwen3-30B-A3B's expert mix (128 experts, top 8) scaled to a small machine by default.
 
+With `--int4`, a block whose experts are kept 4-bit packed (the HF weights quantized to Q4_0
+by the `gguf` package: kiln's CPU kernel, or the grouped int4 Triton kernel on CUDA) joins;
+its output is checked against HF's within Q4_0's error.
+
     python benchmarks/moe_block.py                                # CPU, fp32
     python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
-        --dtype bfloat16"""
+        --dtype bfloat16 --int4"""
 
 from __future__ import annotations
 
@@ -46,6 +50,33 @@ def _kiln_block(hf: torch.nn.Module, args: argparse.Namespace, product) -> torch
     return block
 
 
+def _packed_block(hf: torch.nn.Module, args, device: torch.device, dtype: torch.dtype):
+    """kiln's block with HF's experts quantized to Q4_0 and kept packed, and the per-expert
+    block on those weights dequantized (its reference)."""
+    import gguf
+
+    from kiln.loader.gguf_quant import gguf_codes
+    from kiln.models import build_on
+
+    block = build_on(device, dtype, lambda: moe.SparseMoE(
+        args.hidden, args.experts, args.top_k, args.intermediate, True, 0))  # fmt: skip
+    dense = _kiln_block(hf, args, moe.experts_by_loop).to(device, dtype)
+    inter, q4_0 = args.intermediate, gguf.GGMLQuantizationType.Q4_0
+    with torch.no_grad():
+        block.gate.weight.copy_(hf.gate.weight)
+        for e in range(args.experts):
+            gate_up, down = dense.experts.gate_up_proj[e], dense.experts.down_proj[e]
+            for proj, w in (("gate_proj", gate_up[:inter]), ("up_proj", gate_up[inter:]),
+                            ("down_proj", down)):  # fmt: skip
+                data = gguf.quants.quantize(w.float().cpu().numpy(), q4_0)
+                block.experts.load_quantized(e, proj, gguf_codes("Q4_0", data, tuple(w.shape)))
+                w.copy_(torch.from_numpy(gguf.quants.dequantize(data, q4_0)))
+    block.experts.finalize(device)
+    if set(block.experts.packed) != {"gate_up_proj", "down_proj"}:
+        raise SystemExit(f"the experts were not kept packed: {block.experts.fallback_reasons}")
+    return block, dense
+
+
 def _time(fn, x: torch.Tensor, repeats: int) -> float:
     fn(x)
     start = time.perf_counter()
@@ -56,7 +87,7 @@ def _time(fn, x: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=384)
@@ -66,7 +97,8 @@ def main() -> None:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=5)
-    args = p.parse_args()
+    p.add_argument("--int4", action="store_true", help="experts kept packed (Q4_0) too")
+    args = p.parse_args(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     torch.manual_seed(0)
     hf = _hf_block(args).to(device, dtype).eval()
@@ -77,13 +109,20 @@ def main() -> None:
     }
     if device.type == "cuda":  # kiln's Triton kernel: what CUDA graphs use where _grouped_mm can't
         blocks["kiln (triton)"] = _kiln_block(hf, args, moe.experts_by_triton).to(device, dtype)
+    packed_reference = None
+    if args.int4:
+        blocks["kiln (int4 Q4_0)"], packed_reference = _packed_block(hf, args, device, dtype)
     rows = []
     with torch.inference_mode():
         for n in args.tokens:
             x = torch.randn(n, args.hidden, device=device, dtype=dtype)
             ref = hf(x[None])[0]
             for name, block in blocks.items():
-                if name != "hf":
+                if name == "kiln (int4 Q4_0)":  # against the same weights dequantized
+                    want = packed_reference(x)  # bf16 scales: a few bf16 ulps
+                    atol = 16 * 2**-8 * want.abs().max().item()
+                    torch.testing.assert_close(block(x), want, rtol=0, atol=atol)
+                elif name != "hf":
                     torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
             repeats = max(2, 64 // n)
             times = {name: [] for name in blocks}
@@ -101,6 +140,7 @@ def main() -> None:
         ratio = r["hf"] / r["kiln (per-expert)"]
         print(f"| {r['tokens']} | " + " | ".join(str(r[n]) for n in names) + f" | {ratio:.2f}x |")
     print(json.dumps({"args": vars(args), "rows": rows}))
+    return rows
 
 
 if __name__ == "__main__":

@@ -88,9 +88,11 @@ if [[ $PART == hybrid ]]; then
 fi
 if [[ $PART == moe ]]; then
   # Qwen3-30B-A3B's expert shapes: kiln's Triton kernel against torch._grouped_mm (bf16, where
-  # both capture) and HF's block; then float32, where only the Triton kernel captures
+  # both capture) and HF's block, and the experts kept 4-bit (Q4_0, the grouped int4 Triton
+  # kernel); then float32, where only the Triton kernels capture
   for dtype in bfloat16 float32; do
-    timeout 60 "$PY" benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
-      --dtype "$dtype" --tokens 1 16 128 1024 2>&1 | tee "$OUT/moe_block_$dtype.log" | grep "^|"
+    timeout 90 "$PY" benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
+      --dtype "$dtype" --tokens 1 16 128 1024 --int4 2>&1 | tee "$OUT/moe_block_$dtype.log" \
+      | grep "^|"
   done
 fi

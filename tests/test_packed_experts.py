@@ -256,3 +256,15 @@ def test_packed_experts_take_the_rows_as_int8_planes():
     # measured: 1.1e-4 of the output's magnitude, two products deep; a bf16 rounding is 3.9e-3
     tol = BF16_ULP / 4 * floats.abs().max().item()
     torch.testing.assert_close(planes, floats, rtol=0, atol=tol)
+
+
+def test_the_moe_benchmark_checks_its_packed_block():
+    """benchmarks/moe_block.py --int4's smoke run: the packed block (Q4_0 experts) is checked
+    against the same weights dequantized before it is timed, with the others against HF."""
+    from tests.helpers import load_benchmark
+
+    args = ["--hidden", "256", "--intermediate", "128", "--experts", "4", "--top-k", "2",
+            "--tokens", "1", "5", "--rounds", "1", "--int4", "--device", "cpu"]  # fmt: skip
+    rows = load_benchmark("moe_block").main(args)
+    assert [r["tokens"] for r in rows] == [1, 5]
+    assert all(r["kiln (int4 Q4_0)"] > 0 for r in rows)
