@@ -121,3 +121,23 @@ def test_the_gdn_benchmark_runs():
     rows = load_benchmark("gdn_op").main(["--small", "--tokens", "1", "8", "--rounds", "1"])
     assert [r["tokens"] for r in rows] == [1, 8]
     assert all(r["kiln"] > 0 and r["hf"] > 0 for r in rows)
+
+
+def test_a_full_batch_with_padding_reads_no_slot_past_the_buffers():
+    """max_seqs requests and padding rows after them: the padding rows' request slot is one
+    past the per-request buffers (max_seqs entries). Whatever lies there (here: a view's next
+    element, 0, a real state slot) must not be read as a request's slot."""
+    requests = [(1, 20 + i, i, -1, -1, -1) for i in range(MAX_SEQS - 1)] + [(9, 9, 7, -1, -1, -1)]
+    layer, qsl, whole = _step(2, requests, padded=20)
+    backing = [torch.zeros(MAX_SEQS + 1, dtype=torch.int32) for _ in whole]
+    for b, w in zip(backing, whole, strict=True):
+        b[:MAX_SEQS] = w
+    views = [b[:MAX_SEQS] for b in backing]  # element MAX_SEQS: 0 (slot 0, checkpoint 0, ...)
+    ours = [t.to(DEVICE, copy=True) for t in layer]
+    ref = [t.clone() for t in layer]
+    gdn_core_triton(*ours, qsl.to(DEVICE), *(v.to(DEVICE) for v in views), HK, DK)
+    _gdn_core(*ref, qsl[: MAX_SEQS + 1], *whole, HK, DK)
+    names = ["conv states", "recurrent states", "saved conv", "saved recurrent", "out"]
+    for name, a, r in zip(names, ours[4:], ref[4:], strict=True):
+        torch.testing.assert_close(a.cpu(), r, rtol=2e-5, atol=2e-5, msg=name)
+    assert not ours[-1][sum(r[0] for r in requests) :].any()

@@ -49,6 +49,13 @@ PRECISION = "ieee"
 
 
 @triton.jit
+def _per_request(ptr, r, REQS, missing):
+    """Entry r of a per-request buffer (REQS entries), `missing` past it: the padding rows'
+    slot is one past the last request's, so with a full batch it lies past the buffers."""
+    return tl.load(ptr + r, mask=r < REQS, other=missing)
+
+
+@triton.jit
 def _window_inputs(mixed_ptr, state_ptr, src, start, end, c, cmask, from_state, stride_m,
                    W1: tl.constexpr):  # fmt: skip
     """The convolution's inputs at token indices src [N] over channels c: rows of the chunk, or
@@ -79,7 +86,7 @@ def _store_window(dst_ptr, mixed_ptr, state_ptr, end, start, c, cmask, from_stat
 @triton.jit
 def gdn_conv_kernel(
     mixed_ptr, weight_ptr, conv_states_ptr, saved_conv_ptr, conv_out_ptr, qsl_ptr, seq_lens_ptr,
-    slots_ptr, at_ptr, entries_ptr, rows_ptr, C, stride_m, W: tl.constexpr,
+    slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, C, stride_m, W: tl.constexpr,
     BLOCK_W1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
 ):  # fmt: skip
     """Depthwise causal convolution and SiLU of request slot program_id(0), channels block
@@ -89,7 +96,7 @@ def gdn_conv_kernel(
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = c < C
     start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slots_ptr + r).to(tl.int64)
+    slot = _per_request(slots_ptr, r, REQS, -1).to(tl.int64)
     if (start < end) & (slot >= 0):
         n = end - start
         from_state = tl.load(seq_lens_ptr + r) != n  # not the request's first chunk
@@ -129,7 +136,7 @@ def _takes_chunks(n, rows_at, UP_TO: tl.constexpr):
 @triton.jit
 def gdn_rule_kernel(
     conv_out_ptr, decay_ptr, beta_ptr, states_ptr, saved_ptr, out_ptr, qsl_ptr, seq_lens_ptr,
-    slots_ptr, at_ptr, entries_ptr, rows_ptr, C, HV, KEY_OFFSET, q_scale,
+    slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, C, HV, KEY_OFFSET, q_scale,
     PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, UP_TO: tl.constexpr,
 ):  # fmt: skip
@@ -144,8 +151,8 @@ def gdn_rule_kernel(
     head_state = h * DK * DV + kk[:, None] * DV + vv[None, :]
     per_slot = HV * DK * DV
     start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slots_ptr + r).to(tl.int64)
-    rows_at = tl.load(rows_ptr + r).to(tl.int64)
+    slot = _per_request(slots_ptr, r, REQS, -1).to(tl.int64)
+    rows_at = _per_request(rows_ptr, r, REQS, -1).to(tl.int64)
     n = end - start
     if (start < end) & (slot < 0):  # padding rows
         for step in range(0, n):
@@ -211,7 +218,7 @@ def _unit_lower_inverse(a, ri, CHUNK: tl.constexpr):
 @triton.jit
 def gdn_chunk_prep_kernel(
     conv_out_ptr, decay_ptr, beta_ptr, w_ptr, u_ptr, gamma_ptr, qsl_ptr, slots_ptr, rows_ptr,
-    T, C, HV, KEY_OFFSET, SLOTS, SEARCH_STEPS, PER_KEY: tl.constexpr, DK: tl.constexpr,
+    REQS, T, C, HV, KEY_OFFSET, SLOTS, SEARCH_STEPS, PER_KEY: tl.constexpr, DK: tl.constexpr,
     DV: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_DV: tl.constexpr, CHUNK: tl.constexpr,
     UP_TO: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
@@ -223,8 +230,8 @@ def gdn_chunk_prep_kernel(
     t = tl.program_id(0).to(tl.int64) * CHUNK + ri
     req = _request_of(qsl_ptr, t, SLOTS, SEARCH_STEPS)
     n = tl.load(qsl_ptr + req + 1) - tl.load(qsl_ptr + req)
-    slot = tl.load(slots_ptr + req)
-    live = (t < T) & (slot >= 0) & _takes_chunks(n, tl.load(rows_ptr + req), UP_TO)
+    slot = _per_request(slots_ptr, req, REQS, -1)
+    live = (t < T) & (slot >= 0) & _takes_chunks(n, _per_request(rows_ptr, req, REQS, -1), UP_TO)
     if tl.max(live.to(tl.int32), 0) > 0:
         kk, dv = tl.arange(0, BLOCK_K), tl.arange(0, BLOCK_DV)
         kmask, dvmask = live[:, None] & (kk < DK)[None, :], live[:, None] & (dv < DV)[None, :]
@@ -254,7 +261,7 @@ def gdn_chunk_prep_kernel(
 @triton.jit
 def gdn_chunk_rule_kernel(
     conv_out_ptr, w_ptr, u_ptr, gamma_ptr, states_ptr, saved_ptr, out_ptr, qsl_ptr,
-    seq_lens_ptr, slots_ptr, at_ptr, entries_ptr, rows_ptr, C, HV, KEY_OFFSET, q_scale,
+    seq_lens_ptr, slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, C, HV, KEY_OFFSET, q_scale,
     PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, UP_TO: tl.constexpr,
     PRECISION: tl.constexpr,
@@ -270,9 +277,9 @@ def gdn_chunk_rule_kernel(
     head_state = h * DK * DV + kk[:, None] * DV + vv[None, :]
     per_slot = HV * DK * DV
     start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
-    slot = tl.load(slots_ptr + r).to(tl.int64)
+    slot = _per_request(slots_ptr, r, REQS, -1).to(tl.int64)
     n = end - start
-    if (slot >= 0) & _takes_chunks(n, tl.load(rows_ptr + r), UP_TO):
+    if (slot >= 0) & _takes_chunks(n, _per_request(rows_ptr, r, REQS, -1), UP_TO):
         fresh = tl.load(seq_lens_ptr + r) == n
         state = tl.load(states_ptr + slot * per_slot + head_state, mask=smask, other=0.0)
         state = tl.where(fresh, 0.0, state)
@@ -343,7 +350,7 @@ def gdn_core_triton(
     value_heads, value_dim = out.shape[1], out.shape[2]
     slots = request_slots(tokens, query_start_loc)
     meta = (query_start_loc, seq_lens, state_slots, checkpoint_at, checkpoint_entries,
-            position_states)  # fmt: skip
+            position_states, state_slots.numel())  # fmt: skip
     conv_out = torch.empty(tokens, channels, dtype=torch.float32, device=mixed.device)
     width = conv_weight.shape[-1]
     block_c = min(CONV_CHANNELS, triton.next_power_of_2(channels))
@@ -375,10 +382,10 @@ def _chunked_rule(conv_out, decay, beta, recurrent_states, saved_recurrent, out,
     w = torch.empty(tokens, value_heads, key_dim, **scratch)
     u = torch.empty(tokens, value_heads, value_dim, **scratch)
     gamma = torch.empty(tokens, value_heads, **scratch)
-    qsl, state_slots, position_states = meta[0], meta[2], meta[5]
+    qsl, state_slots, position_states, requests = meta[0], meta[2], meta[5], meta[6]
     common = dict(CHUNK=CHUNK, PRECISION=PRECISION, num_warps=CHUNK_WARPS, **shapes)
     gdn_chunk_prep_kernel[(triton.cdiv(tokens, CHUNK), value_heads)](
-        conv_out, decay, beta, w, u, gamma, qsl, state_slots, position_states, tokens,
+        conv_out, decay, beta, w, u, gamma, qsl, state_slots, position_states, requests, tokens,
         heads[0], value_heads, heads[2], slots, (slots - 1).bit_length(),
         BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), **common,
     )  # fmt: skip
