@@ -208,27 +208,39 @@ def test_hybrid_column_reorder_keeps_whole_groups_quantized():
     torch.testing.assert_close(dense, t.dequantize()[:, split_groups], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("kind", [T.F32, T.Q4_0], ids=["F32", "Q4_0"])
-@pytest.mark.parametrize("name, arch", [("llama", "llama"), ("qwen2", "qwen2"),
-                                        ("qwen3_moe", "qwen3moe")])  # fmt: skip
+# the tiny hybrids' widths (48) are no multiple of Q4_0's 32-column blocks: F32 only
+FUSED_FILES = [(name, arch, kind) for name, arch in (("llama", "llama"), ("qwen2", "qwen2"),
+                                                    ("qwen3_moe", "qwen3moe"))
+               for kind in (T.F32, T.Q4_0)] + [
+    ("qwen3_next", "qwen3next", T.F32), ("qwen3_5", "qwen35", T.F32),
+    ("qwen3_5_moe", "qwen35moe", T.F32)]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, arch, kind", FUSED_FILES,
+                         ids=[f"{arch}-{kind.name}" for _, arch, kind in FUSED_FILES])  # fmt: skip
 def test_fused_projections_read_back_apart(tiny_models, tmp_path, kind, name, arch):
     """A file from llama.cpp's converter with --fuse-qkv and --fuse-gate-up-exps (`attn_qkv`:
-    q, k and v along the rows, Llama's q and k permuted, Qwen2's biases too;
-    `ffn_gate_up_exps`: each expert's gate then up) gives the config and every tensor of the
-    unfused file, dense and as 4-bit planes."""
+    q, k and v along the rows, Llama's q and k permuted, Qwen2's biases too, a gated
+    attention's q with its gates; `ffn_gate_up_exps`: each expert's gate then up) gives the
+    config and every tensor of the unfused file, dense and as 4-bit planes; a hybrid's Gated
+    DeltaNet layers keep their own `attn_qkv`."""
     hf = AutoModelForCausalLM.from_pretrained(tiny_models[name])
     paths = {fuse: tmp_path / f"{fuse}.gguf" for fuse in (False, True)}
     for fuse, path in paths.items():
         write_gguf(path, hf, lambda _: kind, arch=arch, fuse=fuse)
     names = {t.name.split(".")[-2] for t in GGUFFile(str(paths[True])).tensors}
     assert "attn_qkv" in names and "attn_q" not in names
-    assert ("ffn_gate_up_exps" in names) == (arch == "qwen3moe")
+    assert ("ffn_gate_up_exps" in names) == (arch in ("qwen3moe", "qwen3next", "qwen35moe"))
     fused, apart = GGUFSource(str(paths[True])), GGUFSource(str(paths[False]))
     assert fused.config == apart.config
+    attention = {f"model.layers.{i}." for i in fused.config.attention_layer_ids}
     for keep_packed in (False, True):
         ours = dict(fused.tensors(torch.float32, keep_packed))
         theirs = dict(apart.tensors(torch.float32, keep_packed))
         assert ours.keys() == theirs.keys()
+        # q, k and v only where there is attention (a DeltaNet's attn_qkv is its own)
+        assert all(k.startswith(tuple(attention)) for k in ours if ".self_attn." in k
+                   and k.startswith("model."))  # fmt: skip
         for key, tensor in ours.items():
             if isinstance(tensor, torch.Tensor):
                 assert torch.equal(tensor, theirs[key]), key

@@ -9,8 +9,10 @@ model can keep them packed). A layer without a router (`ffn_gate_inp`) is a dens
 
 llama.cpp's converter can fuse projections (`--fuse-qkv`, `--fuse-gate-up-exps`): `attn_qkv`
 holds q, k and v one after another along the rows (for `llama`, q and k in the converter's
-permuted order, as apart), `ffn_gate_up_exps` each expert's gate then up rows. They are cut
-back into the separate tensors (rows of 4-bit planes stay packed)."""
+permuted order, as apart; for a gated attention, q with each head's gate after it, as its
+`attn_q`), `ffn_gate_up_exps` each expert's gate then up rows. They are cut back into the
+separate tensors (rows of 4-bit planes stay packed). A hybrid's Gated DeltaNet layers keep
+their own `attn_qkv`."""
 
 from __future__ import annotations
 
@@ -97,21 +99,11 @@ def hf_tensor_name(gguf_name: str) -> str | None:
     return f"{_GLOBAL_NAMES[base]}.{leaf}" if base in _GLOBAL_NAMES else None
 
 
-# fused tensors (llama.cpp's --fuse-qkv, --fuse-gate-up-exps): the HF tensors they hold, in
-# row order
-_FUSED_NAMES = {
-    "attn_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "ffn_gate_up_exps": ("mlp.experts.{}.gate_proj", "mlp.experts.{}.up_proj"),
-}
+# fused tensors (llama.cpp's --fuse-qkv, --fuse-gate-up-exps): the tensors they hold, in row
+# order
+_FUSED_PARTS = {"attn_qkv": ("attn_q", "attn_k", "attn_v"),
+                "ffn_gate_up_exps": ("ffn_gate_exps", "ffn_up_exps")}  # fmt: skip
 Rows = tuple[int, int]  # first row, row count
-
-
-def _fused_name(gguf_name: str) -> str | None:
-    """'blk.3.attn_qkv.weight' -> 'model.layers.3.{part}.weight' (a pattern the parts fill)."""
-    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
-    if m is None or m.group(2) not in _FUSED_NAMES:
-        return None
-    return f"model.layers.{m.group(1)}.{{part}}.{m.group(3)}"
 
 
 def take_rows(x, rows: Rows | None):
@@ -312,20 +304,36 @@ class GGUFSource(ModelSource):
         yield name, weight
 
     def _parts(self, gguf_name: str) -> list[tuple[str, Rows | None]]:
-        """The HF tensors a GGUF tensor holds and their rows ([] for none, rows None for all)."""
-        fused = _fused_name(gguf_name) if self.arch not in hybrid.ARCHITECTURES else None
-        if fused is None:
+        """The HF tensors a GGUF tensor holds and their rows ([] for none, rows None for all):
+        a fused one's parts are named as the file would name them apart."""
+        m = re.fullmatch(r"blk\.(\d+)\.(attn_qkv|ffn_gate_up_exps)\.(weight|bias)", gguf_name)
+        if m is None or not self._fused_here(int(m.group(1)), m.group(2)):
             name = self._hf_name(gguf_name)
             return [] if name is None else [(name, None)]
-        parts = _FUSED_NAMES[gguf_name.split(".")[2]]
+        layer, fused, leaf = m.groups()
         c = self.config
-        if len(parts) == 3:  # q, k, v
-            sizes = [c.num_heads * c.head_dim] + [c.num_kv_heads * c.head_dim] * 2
+        if fused == "attn_qkv":  # a gated attention's q rows hold each head's gate after it
+            q_rows = c.num_heads * c.head_dim * (2 if c.attention_output_gate else 1)
+            sizes = [q_rows] + [c.num_kv_heads * c.head_dim] * 2
         else:  # each expert's gate, up
             sizes = [c.moe.intermediate_size] * 2  # type: ignore[union-attr]
         firsts = np.cumsum([0, *sizes[:-1]]).tolist()
-        rows = zip(parts, firsts, sizes, strict=True)
-        return [(fused.format(part=p), (first, n)) for p, first, n in rows]
+        parts = []
+        for part, first, n in zip(_FUSED_PARTS[fused], firsts, sizes, strict=True):
+            name = self._hf_name(f"blk.{layer}.{part}.{leaf}")
+            if name is None:
+                raise ModelLoadError(f"tensor {gguf_name!r}: kiln reads no {part}.{leaf} here")
+            parts.append((name, (first, n)))
+        return parts
+
+    def _fused_here(self, layer: int, fused: str) -> bool:
+        """Whether `fused` in this layer is llama.cpp's fusion: a hybrid's Gated DeltaNet
+        layers have an `attn_qkv` of their own (its in_proj_qkv); its attention layers and
+        MTP blocks (past the model's layers) may be fused."""
+        if fused != "attn_qkv" or self.arch not in hybrid.ARCHITECTURES:
+            return True
+        types = self.config.layer_types
+        return layer >= len(types) or types[layer] == "full_attention"
 
     def _hf_name(self, gguf_name: str) -> str | None:
         if self.arch in hybrid.ARCHITECTURES:
