@@ -261,60 +261,73 @@ def gdn_chunk_prep_kernel(
 @triton.jit
 def gdn_chunk_rule_kernel(
     conv_out_ptr, w_ptr, u_ptr, gamma_ptr, states_ptr, saved_ptr, out_ptr, qsl_ptr,
-    seq_lens_ptr, slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, C, HV, KEY_OFFSET, q_scale,
-    PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
+    seq_lens_ptr, slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, SLOTS, C, HV, KEY_OFFSET,
+    q_scale, PER_KEY: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr,
     BLOCK_V: tl.constexpr, CHUNK: tl.constexpr, UP_TO: tl.constexpr,
     PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """The chunked rule's chain for request slot program_id(0), value head program_id(1),
-    value columns block program_id(2), over the blocks of CHUNK rows its tokens lie in (the
-    first and last shared with the requests beside it): out [T, HV, DV], the slot's state."""
-    r, h = tl.program_id(0), tl.program_id(1)
-    kk, ri = tl.arange(0, BLOCK_K), tl.arange(0, CHUNK)
+    """The chunked rule's chain for value head program_id(1), value columns block
+    program_id(2), and the request slots program_id(0) + i * num_programs(0) that take chunks
+    (a grid of one program per slot would be mostly idle ones at decode: 8 warps each, per
+    layer), over the blocks of CHUNK rows their tokens lie in (the first and last shared with
+    the requests beside them): out [T, HV, DV], the slots' states."""
+    h = tl.program_id(1)
     vv = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    for r in range(tl.program_id(0), SLOTS, tl.num_programs(0)):
+        start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
+        slot = _per_request(slots_ptr, r, REQS, -1).to(tl.int64)
+        if (slot >= 0) & _takes_chunks(end - start, _per_request(rows_ptr, r, REQS, -1), UP_TO):
+            fresh = tl.load(seq_lens_ptr + r) == end - start
+            at, entry = tl.load(at_ptr + r), tl.load(entries_ptr + r).to(tl.int64)
+            _chain(conv_out_ptr, w_ptr, u_ptr, gamma_ptr, states_ptr + slot * HV * DK * DV,
+                   saved_ptr + entry * HV * DK * DV, out_ptr, start, end, fresh,
+                   start + at - 1, at > 0, h, vv, C, HV, KEY_OFFSET, q_scale, PER_KEY, DK, DV,
+                   BLOCK_K, CHUNK, PRECISION)  # fmt: skip
+
+
+@triton.jit
+def _chain(conv_out_ptr, w_ptr, u_ptr, gamma_ptr, state_ptr, saved_ptr, out_ptr, start, end,
+           fresh, checkpoint, saves, h, vv, C, HV, KEY_OFFSET, q_scale, PER_KEY: tl.constexpr,
+           DK: tl.constexpr, DV: tl.constexpr, BLOCK_K: tl.constexpr, CHUNK: tl.constexpr,
+           PRECISION: tl.constexpr):  # fmt: skip
+    """One request's chain for one head's columns vv: its state (state_ptr, the slot's) in
+    registers from block to block; where `saves`, the state after row `checkpoint` into
+    saved_ptr."""
+    kk, ri = tl.arange(0, BLOCK_K), tl.arange(0, CHUNK)
     kmask, vmask = kk < DK, vv < DV
     smask = kmask[:, None] & vmask[None, :]
     head_state = h * DK * DV + kk[:, None] * DV + vv[None, :]
-    per_slot = HV * DK * DV
-    start, end = tl.load(qsl_ptr + r), tl.load(qsl_ptr + r + 1)
-    slot = _per_request(slots_ptr, r, REQS, -1).to(tl.int64)
-    n = end - start
-    if (slot >= 0) & _takes_chunks(n, _per_request(rows_ptr, r, REQS, -1), UP_TO):
-        fresh = tl.load(seq_lens_ptr + r) == n
-        state = tl.load(states_ptr + slot * per_slot + head_state, mask=smask, other=0.0)
-        state = tl.where(fresh, 0.0, state)
-        at, entry = tl.load(at_ptr + r), tl.load(entries_ptr + r).to(tl.int64)
-        checkpoint = start + at - 1  # the row after which the checkpoint's state is taken
-        key_head = (h // PER_KEY) * DK
-        for block in range(start // CHUNK, (end - 1) // CHUNK + 1):
-            t = block * CHUNK + ri.to(tl.int64)
-            live = (t >= start) & (t < end)
-            lk = live[:, None] & kmask[None, :]
-            row = conv_out_ptr + t[:, None] * C + key_head + kk[None, :]
-            q = tl.load(row, mask=lk, other=0.0)
-            q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * q_scale)[:, None]
-            k = tl.load(row + KEY_OFFSET, mask=lk, other=0.0)
-            k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
-            at_row = t * HV + h
-            w = tl.load(w_ptr + at_row[:, None] * DK + kk[None, :], mask=lk, other=0.0)
-            u = tl.load(u_ptr + at_row[:, None] * DV + vv[None, :],
-                        mask=live[:, None] & vmask[None, :], other=0.0)  # fmt: skip
-            u -= tl.dot(w, state, input_precision=PRECISION)
-            gamma = tl.load(gamma_ptr + at_row, mask=live, other=0.0)
-            causal = live[:, None] & live[None, :] & (ri[:, None] >= ri[None, :])
-            exponent = tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf"))
-            scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(exponent)
-            o = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
-            o += tl.dot(scores, u, input_precision=PRECISION)
-            tl.store(out_ptr + at_row[:, None] * DV + vv[None, :], o,
-                     mask=live[:, None] & vmask[None, :])  # fmt: skip
-            if (at > 0) & (checkpoint >= block * CHUNK) & (checkpoint < block * CHUNK + CHUNK):
-                saved = _state_after(state, k, u, gamma, live & (t <= checkpoint), t == checkpoint,
-                                     PRECISION)  # fmt: skip
-                tl.store(saved_ptr + entry * per_slot + head_state, saved, mask=smask)
-            state = _state_after(state, k, u, gamma, live, t == tl.minimum(end, block * CHUNK +
-                                 CHUNK) - 1, PRECISION)  # fmt: skip
-        tl.store(states_ptr + slot * per_slot + head_state, state, mask=smask)
+    state = tl.load(state_ptr + head_state, mask=smask, other=0.0)
+    state = tl.where(fresh, 0.0, state)
+    key_head = (h // PER_KEY) * DK
+    for block in range(start // CHUNK, (end - 1) // CHUNK + 1):
+        t = block * CHUNK + ri.to(tl.int64)
+        live = (t >= start) & (t < end)
+        lk = live[:, None] & kmask[None, :]
+        row = conv_out_ptr + t[:, None] * C + key_head + kk[None, :]
+        q = tl.load(row, mask=lk, other=0.0)
+        q = q * (tl.rsqrt(tl.sum(q * q, 1) + 1e-6) * q_scale)[:, None]
+        k = tl.load(row + KEY_OFFSET, mask=lk, other=0.0)
+        k = k * tl.rsqrt(tl.sum(k * k, 1) + 1e-6)[:, None]
+        at_row = t * HV + h
+        w = tl.load(w_ptr + at_row[:, None] * DK + kk[None, :], mask=lk, other=0.0)
+        lv = live[:, None] & vmask[None, :]
+        u = tl.load(u_ptr + at_row[:, None] * DV + vv[None, :], mask=lv, other=0.0)
+        u -= tl.dot(w, state, input_precision=PRECISION)
+        gamma = tl.load(gamma_ptr + at_row, mask=live, other=0.0)
+        causal = live[:, None] & live[None, :] & (ri[:, None] >= ri[None, :])
+        exponent = tl.where(causal, gamma[:, None] - gamma[None, :], float("-inf"))
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.exp(exponent)
+        o = tl.dot(q * tl.exp(gamma)[:, None], state, input_precision=PRECISION)
+        o += tl.dot(scores, u, input_precision=PRECISION)
+        tl.store(out_ptr + at_row[:, None] * DV + vv[None, :], o, mask=lv)
+        if saves & (checkpoint >= block * CHUNK) & (checkpoint < block * CHUNK + CHUNK):
+            saved = _state_after(state, k, u, gamma, live & (t <= checkpoint), t == checkpoint,
+                                 PRECISION)  # fmt: skip
+            tl.store(saved_ptr + head_state, saved, mask=smask)
+        last = t == tl.minimum(end, block * CHUNK + CHUNK) - 1
+        state = _state_after(state, k, u, gamma, live, last, PRECISION)
+    tl.store(state_ptr + head_state, state, mask=smask)
 
 
 @triton.jit
@@ -390,8 +403,11 @@ def _chunked_rule(conv_out, decay, beta, recurrent_states, saved_recurrent, out,
         BLOCK_DV=max(16, triton.next_power_of_2(value_dim)), **common,
     )  # fmt: skip
     block_v = max(16, min(CHAIN_VALUES, triton.next_power_of_2(value_dim)))
-    gdn_chunk_rule_kernel[(slots, value_heads, triton.cdiv(value_dim, block_v))](
-        conv_out, w, u, gamma, recurrent_states, saved_recurrent, out, *meta, *heads,
+    # programs along the requests: one per block of the step's rows (at most one per slot),
+    # each taking the slots at its stride in turn; a decode step's few blocks keep it small
+    chains = min(slots, triton.cdiv(tokens, CHUNK))
+    gdn_chunk_rule_kernel[(chains, value_heads, triton.cdiv(value_dim, block_v))](
+        conv_out, w, u, gamma, recurrent_states, saved_recurrent, out, *meta, slots, *heads,
         key_dim**-0.5, BLOCK_V=block_v, **common,
     )  # fmt: skip
 
