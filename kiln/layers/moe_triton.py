@@ -28,15 +28,22 @@ BLOCK_M, BLOCK_N, BLOCK_K = 32, 64, 32
 
 
 @triton.jit
+def _tile(tile_expert, tile_start, tile_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Program (tile, block of columns)'s expert, row range and its rows r and columns n."""
+    tile = tl.program_id(0)
+    expert = tl.load(tile_expert + tile).to(tl.int64)
+    start, end = tl.load(tile_start + tile), tl.load(tile_end + tile)
+    r = start + tl.arange(0, BLOCK_M)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return expert, start, end, r, n
+
+
+@triton.jit
 def _grouped_linear_kernel(rows_ptr, weight_ptr, out_ptr, tile_expert, tile_start, tile_end,
                            N, K, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):  # fmt: skip
     """out[r, n] = sum_k rows[r, k] * weight[e, n, k] for the rows r of one tile of expert e."""
-    tile, block_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert + tile).to(tl.int64)
-    start, end = tl.load(tile_start + tile), tl.load(tile_end + tile)
-    r = start + tl.arange(0, BLOCK_M)
-    n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, start, end, r, n = _tile(tile_expert, tile_start, tile_end, BLOCK_M, BLOCK_N)
     r_ok, n_ok = r < end, n < N
     w_base = weight_ptr + expert * N * K
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -71,11 +78,7 @@ def _grouped_int4_kernel(rows_ptr, codes_ptr, sz_ptr, codes2_ptr, sz2_ptr, out_p
                          PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                          BLOCK_K: tl.constexpr):  # fmt: skip
     """_grouped_linear_kernel over PLANES packed int4 planes (codes2/sz2: the second's)."""
-    tile, block_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert + tile).to(tl.int64)
-    start, end = tl.load(tile_start + tile), tl.load(tile_end + tile)
-    r = start + tl.arange(0, BLOCK_M)
-    n = block_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    expert, start, end, r, n = _tile(tile_expert, tile_start, tile_end, BLOCK_M, BLOCK_N)
     r_ok, n_ok = r < end, n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_stop = tl.where(end > start, K, 0)  # idle tiles read nothing
