@@ -20,9 +20,10 @@ out, no state read or written.
     W = (I + A)^-1 (beta exp(gamma) K) and U0 = (I + A)^-1 (beta V), with gamma the decay from
     the start of the request's rows in the block. Blocks are cut from the step's rows, not per
     request, so rows of two requests may share one: A couples rows of the same request only.
-  - the chain (a program per request, value head and BLOCK_V value columns): the state in
-    registers across the request's blocks, each block four products: U = U0 - W S, the outputs
-    from S and U, S decayed and corrected.
+  - the chain (a program per value head and BLOCK_V value columns, and per block of the step's
+    rows along the requests, each taking the requests at its stride): the state in registers
+    across a request's blocks, each block four products: U = U0 - W S, the outputs from S and
+    U, S decayed and corrected.
   The recurrent form of a long prefill is one dependent step per token; the chunked form is one
   per CHUNK tokens, the rest parallel.
 All save the state where the metadata asks (a prefix-cache checkpoint after `checkpoint_at`
@@ -39,7 +40,7 @@ from kiln.layers.gated_deltanet import DECODE_RULE_UP_TO, register_gdn_core
 # Tile sizes from ptxas's register report for sm_90 at Qwen3-Next's heads (128 dims; not yet
 # timed on a GPU): float32 products at full precision run on the FMA units, whose operands
 # stay in registers, so blocks of 64 rows (and the chain's value columns past 16) made ptxas
-# spill kilobytes a thread; these spill at most 1-2 KB (the chain) and 0.2 KB (the prep).
+# spill up to tens of kilobytes a thread; these spill 1.3 KB (the chain) and 0.2 KB (the prep).
 CHUNK = 32  # tokens per block of the chunked delta rule
 CHUNK_WARPS = 8
 CHAIN_VALUES = 16  # value columns per program of the chain
