@@ -110,8 +110,8 @@ def test_the_kernels_compile_for_cuda(dtype, tmp_path):
     cmd = [sys.executable, "-m", "tests.triton_cuda_compile", "gdn", dtype]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    kernels = ["gdn_conv_kernel", "gdn_rule_kernel", "gdn_chunk_prep_kernel",
-               "gdn_chunk_rule_kernel"]  # fmt: skip
+    kernels = ["gdn_conv_kernel", "gdn_conv_state_kernel", "gdn_rule_kernel",
+               "gdn_chunk_prep_kernel", "gdn_chunk_rule_kernel"]  # fmt: skip
     assert done.stdout.split() == [word for kernel in kernels for word in (kernel, "ok")]
 
 

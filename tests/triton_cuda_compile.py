@@ -73,8 +73,10 @@ def compile_for_hopper(kernel: triton.runtime.JITFunction, dtype: str, segments:
 _HEADS = {"PER_KEY": 2, "DK": 128, "DV": 128, "BLOCK_K": 128, "UP_TO": 4}
 _CHUNKED = _HEADS | {"CHUNK": gdn_triton.CHUNK, "PRECISION": gdn_triton.PRECISION}
 GDN_CONSTANTS = {
-    gdn_triton.gdn_conv_kernel: {"W": 4, "BLOCK_W1": 4, "BLOCK_T": gdn_triton.CONV_TOKENS,
+    gdn_triton.gdn_conv_kernel: {"W": 4, "BLOCK_T": gdn_triton.CONV_TOKENS,
                                  "BLOCK_C": gdn_triton.CONV_CHANNELS},
+    gdn_triton.gdn_conv_state_kernel: {"W": 4, "BLOCK_W1": 4,
+                                       "BLOCK_C": gdn_triton.CONV_CHANNELS},
     gdn_triton.gdn_rule_kernel: _HEADS | {"BLOCK_V": 32},
     gdn_triton.gdn_chunk_prep_kernel: _CHUNKED | {"BLOCK_DV": 128},
     gdn_triton.gdn_chunk_rule_kernel: _CHUNKED | {"BLOCK_V": gdn_triton.CHAIN_VALUES},

@@ -1,5 +1,5 @@
 """The Gated DeltaNet core in Triton (`kiln::gdn_core_triton`): the convolution and the delta
-rule of `kiln::gdn_core` in four launches per layer whatever the batch, for the Triton attention
+rule of `kiln::gdn_core` in five launches per layer whatever the batch, for the Triton attention
 backend's models (CUDA, and the CPU under TRITON_INTERPRET=1, which is how the tests check it
 against the PyTorch core).
 
@@ -9,8 +9,11 @@ it. Request slot r covers rows qsl[r] to qsl[r + 1]; past the batch, the first s
 padding rows of a graph's size and the later ones are empty, and their state slot is -1: zeros
 out, no state read or written.
 
-- The convolution: a program takes one request over BLOCK_C channels and its tokens BLOCK_T at a
-  time, reading each window's inputs from the chunk or, before it, from the slot's state.
+- The convolution: a program takes BLOCK_T of the step's rows over BLOCK_C channels, all in
+  parallel, each row reading its window's inputs from its request's chunk or, before it, from
+  the request's slot state (each row finds its request by a binary search over the query
+  starts). A second launch, a program per request, then writes the states the step leaves
+  (the slot's own last, since the windows read it as it was).
 - The delta rule, as the PyTorch core splits it: decodes and verifications (at most
   DECODE_RULE_UP_TO tokens, or state rows kept per token) token by token, the recurrent form;
   longer requests (prefill chunks) in blocks of CHUNK tokens, the chunked form of delta_rule.py,
@@ -44,7 +47,7 @@ from kiln.layers.gated_deltanet import DECODE_RULE_UP_TO, register_gdn_core
 CHUNK = 32  # tokens per block of the chunked delta rule
 CHUNK_WARPS = 8
 CHAIN_VALUES = 16  # value columns per program of the chain
-CONV_TOKENS, CONV_CHANNELS = 8, 128  # the convolution's tile: 153 registers, no spills
+CONV_TOKENS, CONV_CHANNELS = 8, 128  # the convolution's tile: 80 registers (fp32), no spills
 # TF32 would round q, k and the state to 10 bits
 PRECISION = "ieee"
 
@@ -57,28 +60,47 @@ def _per_request(ptr, r, REQS, missing):
 
 
 @triton.jit
-def _window_inputs(mixed_ptr, state_ptr, src, start, end, c, cmask, from_state, stride_m,
-                   W1: tl.constexpr):  # fmt: skip
-    """The convolution's inputs at token indices src [N] over channels c: rows of the chunk, or
-    before the chunk's `start` columns of the slot's state (zeros for a fresh request:
-    `from_state` false); rows at or past `end` are zeros. [N, BLOCK_C] float32."""
+def _request_of(qsl_ptr, t, SLOTS, SEARCH_STEPS):
+    """The request slot r of each row t, qsl[r] <= t < qsl[r + 1]: a binary search over the
+    slots' starts, which never decrease (qsl[SLOTS] is the step's row count)."""
+    lo = tl.zeros_like(t)
+    hi = lo + SLOTS
+    for _ in range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        below = tl.load(qsl_ptr + mid) <= t
+        lo = tl.where(below, mid, lo)
+        hi = tl.where(below, hi, mid)
+    return lo
+
+
+@triton.jit
+def _window_inputs(mixed_ptr, states_ptr, src, start, end, state_row, from_state, c, cmask,
+                   stride_m, W1: tl.constexpr):  # fmt: skip
+    """The convolution's inputs at token indices src [N] over channels c, each row in its own
+    request (start, end, state_row, from_state: per row): rows of the chunk, or before the
+    chunk's start columns of the slot's state (at state_row in states_ptr; zeros where
+    from_state is false: a fresh request). Rows at or past end are zeros. [N, BLOCK_C] float32."""
     in_chunk = src >= start
     rows = (in_chunk & (src < end))[:, None] & cmask[None, :]
     x = tl.load(mixed_ptr + src[:, None] * stride_m + c[None, :], mask=rows, other=0.0)
     col = W1 + src - start  # the window never reaches before the state's first column
-    before = (~in_chunk)[:, None] & cmask[None, :]
-    s = tl.load(state_ptr + c[None, :] * W1 + col[:, None], mask=before, other=0.0)
-    s = tl.where(from_state, s.to(tl.float32), 0.0)
-    return tl.where(in_chunk[:, None], x.to(tl.float32), s)
+    before = ((~in_chunk) & from_state)[:, None] & cmask[None, :]
+    at = states_ptr + state_row[:, None] + c[None, :] * W1 + col[:, None]
+    s = tl.load(at, mask=before, other=0.0)
+    return tl.where(in_chunk[:, None], x.to(tl.float32), s.to(tl.float32))
 
 
 @triton.jit
-def _store_window(dst_ptr, mixed_ptr, state_ptr, end, start, c, cmask, from_state, stride_m,
-                  W1: tl.constexpr, BLOCK_W1: tl.constexpr):  # fmt: skip
-    """The state after the tokens before `end`: the last W - 1 inputs, into dst [C, W - 1]."""
+def _store_window(dst_ptr, mixed_ptr, states_ptr, state_row, end, start, from_state, c, cmask,
+                  stride_m, W1: tl.constexpr, BLOCK_W1: tl.constexpr):  # fmt: skip
+    """The state of one request after its tokens before `end`: the last W - 1 inputs, into
+    dst [C, W - 1]."""
     i = tl.arange(0, BLOCK_W1)
-    window = _window_inputs(mixed_ptr, state_ptr, end - W1 + i, start, end, c, cmask,
-                            from_state, stride_m, W1)  # fmt: skip
+    zero = i * 0
+    # per lane from the scalars (a mask of a vector and a loaded scalar does not interpret)
+    window = _window_inputs(mixed_ptr, states_ptr, end - W1 + i, zero + start, zero + end,
+                            zero.to(tl.int64) + state_row, zero + from_state.to(tl.int32) > 0,
+                            c, cmask, stride_m, W1)  # fmt: skip
     mask = (i < W1)[:, None] & cmask[None, :]
     tl.store(dst_ptr + c[None, :] * W1 + i[:, None], window.to(dst_ptr.dtype.element_ty),
              mask=mask)  # fmt: skip
@@ -86,12 +108,44 @@ def _store_window(dst_ptr, mixed_ptr, state_ptr, end, start, c, cmask, from_stat
 
 @triton.jit
 def gdn_conv_kernel(
-    mixed_ptr, weight_ptr, conv_states_ptr, saved_conv_ptr, conv_out_ptr, qsl_ptr, seq_lens_ptr,
-    slots_ptr, at_ptr, entries_ptr, rows_ptr, REQS, C, stride_m, W: tl.constexpr,
-    BLOCK_W1: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    mixed_ptr, weight_ptr, conv_states_ptr, conv_out_ptr, qsl_ptr, seq_lens_ptr, slots_ptr,
+    REQS, T, C, stride_m, SLOTS, SEARCH_STEPS, W: tl.constexpr, BLOCK_T: tl.constexpr,
+    BLOCK_C: tl.constexpr,
 ):  # fmt: skip
-    """Depthwise causal convolution and SiLU of request slot program_id(0), channels block
-    program_id(1): conv_out [T, C] float32; the slot's state [C, W - 1] after its tokens."""
+    """Depthwise causal convolution and SiLU of the step's rows program_id(0) * BLOCK_T on,
+    channels block program_id(1), each row in its own request's window (the step's rows in
+    parallel, whatever the requests): conv_out [T, C] float32, zeros for padding rows."""
+    W1: tl.constexpr = W - 1
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = c < C
+    req = _request_of(qsl_ptr, t, SLOTS, SEARCH_STEPS)
+    start, end = tl.load(qsl_ptr + req), tl.load(qsl_ptr + req + 1)
+    slot = _per_request(slots_ptr, req, REQS, -1).to(tl.int64)
+    live = (t < T) & (slot >= 0)
+    end = tl.where(live, end, start)  # padding rows read nothing
+    from_state = live & (_per_request(seq_lens_ptr, req, REQS, 0) != end - start)
+    state_row = tl.where(live, slot, 0) * C * W1
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for i in tl.static_range(W):
+        w = tl.load(weight_ptr + c * W + i, mask=cmask, other=0.0).to(tl.float32)
+        x = _window_inputs(mixed_ptr, conv_states_ptr, t - W1 + i, start, end, state_row,
+                           from_state, c, cmask, stride_m, W1)  # fmt: skip
+        acc += w[None, :] * x
+    tl.store(conv_out_ptr + t[:, None] * C + c[None, :], acc * tl.sigmoid(acc),
+             mask=(t < T)[:, None] & cmask[None, :])  # fmt: skip
+
+
+@triton.jit
+def gdn_conv_state_kernel(
+    mixed_ptr, conv_states_ptr, saved_conv_ptr, qsl_ptr, seq_lens_ptr, slots_ptr, at_ptr,
+    entries_ptr, rows_ptr, REQS, C, stride_m, W: tl.constexpr, BLOCK_W1: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The convolution's states request slot program_id(0) leaves, channels block
+    program_id(1): a checkpoint's window, a verification's after each token, the slot's own
+    after its tokens. Launched after the convolution, which read the slots' states as they were
+    before the step."""
     W1: tl.constexpr = W - 1
     r = tl.program_id(0)
     c = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -101,30 +155,21 @@ def gdn_conv_kernel(
     if (start < end) & (slot >= 0):
         n = end - start
         from_state = tl.load(seq_lens_ptr + r) != n  # not the request's first chunk
-        state_ptr = conv_states_ptr + slot * C * W1
+        row = slot * C * W1
         at, entry = tl.load(at_ptr + r), tl.load(entries_ptr + r).to(tl.int64)
         rows_at = tl.load(rows_ptr + r).to(tl.int64)
-        for block in range(0, tl.cdiv(n, BLOCK_T)):
-            t = start.to(tl.int64) + block * BLOCK_T + tl.arange(0, BLOCK_T)
-            acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-            for i in tl.static_range(W):
-                w = tl.load(weight_ptr + c * W + i, mask=cmask, other=0.0).to(tl.float32)
-                acc += w[None, :] * _window_inputs(mixed_ptr, state_ptr, t - W1 + i, start, end,
-                                                   c, cmask, from_state, stride_m, W1)  # fmt: skip
-            out_mask = (t < end)[:, None] & cmask[None, :]
-            tl.store(conv_out_ptr + t[:, None] * C + c[None, :], acc * tl.sigmoid(acc),
-                     mask=out_mask)  # fmt: skip
-        # the windows read the slot's state as it was before the step: it is written last
         if at > 0:
-            _store_window(saved_conv_ptr + entry * C * W1, mixed_ptr, state_ptr, start + at,
-                          start, c, cmask, from_state, stride_m, W1, BLOCK_W1)  # fmt: skip
+            _store_window(saved_conv_ptr + entry * C * W1, mixed_ptr, conv_states_ptr, row,
+                          start + at, start, from_state, c, cmask, stride_m, W1,
+                          BLOCK_W1)  # fmt: skip
         if rows_at >= 0:
             for j in range(1, n):
-                _store_window(conv_states_ptr + (rows_at + j - 1) * C * W1, mixed_ptr, state_ptr,
-                              start + j, start, c, cmask, from_state, stride_m, W1,
-                              BLOCK_W1)  # fmt: skip
-        _store_window(state_ptr, mixed_ptr, state_ptr, end, start, c, cmask, from_state,
-                      stride_m, W1, BLOCK_W1)  # fmt: skip
+                _store_window(conv_states_ptr + (rows_at + j - 1) * C * W1, mixed_ptr,
+                              conv_states_ptr, row, start + j, start, from_state, c, cmask,
+                              stride_m, W1, BLOCK_W1)  # fmt: skip
+        # the slot's own last: the windows above read it as it was
+        _store_window(conv_states_ptr + row, mixed_ptr, conv_states_ptr, row, end, start,
+                      from_state, c, cmask, stride_m, W1, BLOCK_W1)  # fmt: skip
 
 
 @triton.jit
@@ -188,20 +233,6 @@ def gdn_rule_kernel(
                 tl.store(states_ptr + (rows_at + j - 1) * per_slot + head_state, state,
                          mask=smask)  # fmt: skip
         tl.store(states_ptr + slot * per_slot + head_state, state, mask=smask)
-
-
-@triton.jit
-def _request_of(qsl_ptr, t, SLOTS, SEARCH_STEPS):
-    """The request slot r of each row t, qsl[r] <= t < qsl[r + 1]: a binary search over the
-    slots' starts, which never decrease (qsl[SLOTS] is the step's row count)."""
-    lo = tl.zeros_like(t)
-    hi = lo + SLOTS
-    for _ in range(SEARCH_STEPS):
-        mid = (lo + hi) // 2
-        below = tl.load(qsl_ptr + mid) <= t
-        lo = tl.where(below, mid, lo)
-        hi = tl.where(below, hi, mid)
-    return lo
 
 
 @triton.jit
@@ -366,12 +397,17 @@ def gdn_core_triton(
     meta = (query_start_loc, seq_lens, state_slots, checkpoint_at, checkpoint_entries,
             position_states, state_slots.numel())  # fmt: skip
     conv_out = torch.empty(tokens, channels, dtype=torch.float32, device=mixed.device)
-    width = conv_weight.shape[-1]
+    width, search = conv_weight.shape[-1], (slots, (slots - 1).bit_length())
     block_c = min(CONV_CHANNELS, triton.next_power_of_2(channels))
-    gdn_conv_kernel[(slots, triton.cdiv(channels, block_c))](
-        mixed, conv_weight, conv_states, saved_conv, conv_out, *meta, channels, mixed.stride(0),
-        W=width, BLOCK_W1=triton.next_power_of_2(max(width - 1, 1)), BLOCK_T=CONV_TOKENS,
+    channel_blocks = triton.cdiv(channels, block_c)
+    gdn_conv_kernel[(triton.cdiv(tokens, CONV_TOKENS), channel_blocks)](
+        mixed, conv_weight, conv_states, conv_out, query_start_loc, seq_lens, state_slots,
+        meta[-1], tokens, channels, mixed.stride(0), *search, W=width, BLOCK_T=CONV_TOKENS,
         BLOCK_C=block_c,
+    )  # fmt: skip
+    gdn_conv_state_kernel[(slots, channel_blocks)](
+        mixed, conv_states, saved_conv, *meta, channels, mixed.stride(0), W=width,
+        BLOCK_W1=triton.next_power_of_2(max(width - 1, 1)), BLOCK_C=block_c,
     )  # fmt: skip
     heads = (channels, value_heads, key_heads * key_dim)
     shapes = dict(PER_KEY=value_heads // key_heads, DK=key_dim, DV=value_dim,
