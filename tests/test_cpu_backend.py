@@ -8,6 +8,7 @@ CPU runs) through the same comparisons."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import numpy as np
@@ -310,7 +311,10 @@ def _decodes(layout):
 # on widened rows, or scored by pairs and added by FMAs: the native build takes the first or
 # the second by the CPU (pairs without AMX), these force each
 SCORES = ["pair-scores", "fma-scores", "pair-scores-fma-values"]
-BUILDS = ["native", *SCORES, "avx512", "avx512-vnni", "avx2", "portable"]
+# an int8 cache's values added by integer products with 8-bit weights (the native build on a CPU
+# with AVX512-VNNI and BW), or by float32 FMAs on widened rows (this build forces the latter)
+INT8_FMA_VALUES = "int8-fma-values"
+BUILDS = ["native", *SCORES, INT8_FMA_VALUES, "avx512", "avx512-vnni", "avx2", "portable"]
 KERNEL_DTYPES = [torch.float32, torch.bfloat16, "float32 over bf16", "float32 over int8",
                  "bf16 over int8"]  # fmt: skip
 
@@ -394,8 +398,9 @@ def test_the_kernel_matches_attention_by_hand(dtype, shape, build):
     kernel.run(q[:4].contiguous(), caches[0], caches[1], tables, lens, out, dim**-0.5)
     queries = _queries_as_scored(kernel, q[:4], kv_dtype)
     want = _by_hand(_cache_values(caches), queries, layout, FIRSTS[:4], [1] * 4)
-    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
-    torch.testing.assert_close(out.view(4, -1).double(), want, rtol=tol, atol=tol)
+    for row in range(4):
+        bound = functools.partial(_decode_row_rounding, caches, queries, layout, row)
+        _assert_attention(kernel, out[row], want[row].view(heads, dim), kv_dtype, 1e-5, bound)
 
 
 def _queries_as_scored(kernel, q: torch.Tensor, kv_dtype: torch.dtype) -> torch.Tensor:
@@ -404,6 +409,43 @@ def _queries_as_scored(kernel, q: torch.Tensor, kv_dtype: torch.dtype) -> torch.
     if kv_dtype == torch.int8 and kernel.int8_queries(q.shape[-1]):
         return dequantize(quantize(q), torch.float64)
     return q
+
+
+def _weight_rounding(scores: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
+    """The most each output [heads, dim] of one decode row may move when an int8 cache's values
+    take 8-bit weights (decode_int8.h): a weight w_j = p_j * s_j (s_j key j's value-row scale)
+    moves by at most half a unit, a unit being its step's largest weight over 255, at most the
+    row's largest over 255; so output d moves by at most max_j w_j / 510 * sum_j |q_jd|
+    (p summing to 1, q the int8 values). scores [heads, n]; v_rows [n, heads, dim + 4], the
+    value rows each query head reads."""
+    p = torch.softmax(scores.double(), -1)
+    scale = v_rows[..., -4:].contiguous().view(torch.float32)[..., 0].double().T  # [heads, n]
+    top = (p * scale).amax(-1, keepdim=True)
+    return top / 510 * v_rows[..., :-4].double().abs().sum(0)
+
+
+def _decode_row_rounding(caches, queries, layout, row: int) -> torch.Tensor:
+    """_weight_rounding for decode row `row` of _decodes' layout (its FIRSTS[row] + 1 keys)."""
+    heads, dim, kv_heads = queries.shape[1], queries.shape[2], caches.shape[3]
+    pos = torch.arange(FIRSTS[row] + 1)
+    slots = layout.block_tables[row, pos // BS].long() * BS + pos % BS
+    keys, v_rows = (c.reshape(-1, kv_heads, c.shape[-1])[slots] for c in caches)
+    keys, v_rows = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, v_rows))
+    scores = torch.einsum("hd,khd->hk", queries[row].double(), dequantize(keys, torch.float64))
+    return _weight_rounding(scores * dim**-0.5, v_rows)
+
+
+def _assert_attention(kernel, out, want, kv_dtype, exact: float, bound=None) -> None:
+    """out against attention by hand: within `exact` (relative and absolute) for float32
+    queries, 1e-2 for bf16 (the output's own rounding); where the kernel gives an int8 cache's
+    values 8-bit weights, within that plus `bound()` (_weight_rounding), element by element."""
+    tol = exact if out.dtype == torch.float32 else 1e-2
+    if kv_dtype != torch.int8 or not kernel.int8_values(out.shape[-1]):
+        torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
+        return
+    slack = bound() + tol * (1 + want.abs())
+    excess = (out.double() - want).abs() - slack
+    assert excess.max() <= 0, f"{excess.max():.3g} past the bound ({slack.max():.3g} at most)"
 
 
 def _fragmented_caches(lens, block_size, kv_heads, dim, kv_dtype, g, in_order=False, swaps=False):
@@ -433,6 +475,7 @@ def _kernel_build(build: str):
     cpu_flags = native.cpu_flags().split()
     needs = {"avx512": ("avx512f",), "avx512-vnni": ("avx512f", "avx512vl", "avx512_vnni"),
              "avx2": ("avx2", "fma"), **dict.fromkeys(SCORES, ("avx512_bf16",)),
+             INT8_FMA_VALUES: ("avx512bw", "avx512_vnni"),
              }.get(build, ())  # fmt: skip
     if any(flag not in cpu_flags for flag in needs):
         pytest.skip(f"this CPU has no {' and '.join(needs)}")
@@ -448,20 +491,29 @@ def _kernel_build(build: str):
         kernel = cpu_kernel.load_paged_decode((*native.FLAGS, f"-DKILN_DECODE_PAIR_SCORES={pairs}",
                                                f"-DKILN_DECODE_PAIR_VALUES={values}"))  # fmt: skip
         isa = native_isa
+    elif build == INT8_FMA_VALUES:
+        kernel = cpu_kernel.load_paged_decode((*native.FLAGS, "-DKILN_DECODE_INT8_VALUES=0"))
+        isa = native_isa
     else:
         extra, isa = builds[build]
         kernel = cpu_kernel.load_paged_decode((*generic, *extra))
     assert kernel is not None and kernel.isa == isa
     # integer dot products for int8 keys exactly where the build has AVX512-VNNI
-    vnni = build == "avx512-vnni" or (build in ("native", *SCORES) and "avx512_vnni" in cpu_flags)
+    native_like = build in ("native", *SCORES, INT8_FMA_VALUES)
+    vnni = build == "avx512-vnni" or (native_like and "avx512_vnni" in cpu_flags)
     assert kernel.int8_queries(64) == vnni and not kernel.int8_queries(48)
+    # and their values with 8-bit weights where the build also has AVX512-BW, head dims % 64
+    int8_values = vnni and native_like and build != INT8_FMA_VALUES and "avx512bw" in cpu_flags
+    assert kernel.int8_values(64) == int8_values == kernel.int8_values(256)
+    assert not kernel.int8_values(32) and not kernel.int8_values(96)
     # prefill chunks where the build has vectors and the head dim is a multiple of 8
     assert kernel.prefill_supported(64) == (isa > 0) and not kernel.prefill_supported(12)
     # bf16 chunks by AMX tile products in a native build on a CPU with AMX, head dims % 32
-    amx = build in ("native", *SCORES) and "amx_bf16" in cpu_flags  # where Linux grants tiles
+    amx = native_like and "amx_bf16" in cpu_flags  # where Linux grants tiles
     assert kernel.prefill_amx(64) <= amx and not kernel.prefill_amx(48)
     # bf16 decode scores by pair products where forced, or natively on AVX512-BF16 without AMX
-    native_pairs = build == "native" and "avx512_bf16" in cpu_flags and "amx_bf16" not in cpu_flags
+    native_pairs = (build in ("native", INT8_FMA_VALUES) and "avx512_bf16" in cpu_flags
+                    and "amx_bf16" not in cpu_flags)  # fmt: skip
     pairs = build in ("pair-scores", "pair-scores-fma-values") or native_pairs
     assert kernel.pair_scores(64) == pairs and not kernel.pair_scores(48)
     # and their values added by pair products alike, unless the build says otherwise
@@ -496,10 +548,12 @@ def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
         slots = tables[row, pos // block_size].long() * block_size + pos % block_size
         keys, values = (c.reshape(-1, kv_heads, dim)[slots] for c in _cache_values(caches))
         keys, values = (x.repeat_interleave(heads // kv_heads, 1) for x in (keys, values))
-        p = torch.softmax(torch.einsum("hd,khd->hk", queries[row].double(), keys) * dim**-0.5, -1)
-        want = torch.einsum("hk,khd->hd", p, values)
-        tol = 1e-5 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+        scores = torch.einsum("hd,khd->hk", queries[row].double(), keys) * dim**-0.5
+        want = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), values)
+        v_rows = caches[1].reshape(-1, kv_heads, caches.shape[-1])[slots]
+        v_rows = v_rows.repeat_interleave(heads // kv_heads, 1)
+        bound = functools.partial(_weight_rounding, scores, v_rows)
+        _assert_attention(kernel, out[row], want, kv_dtype, 1e-5, bound)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -622,16 +676,18 @@ def test_the_prefill_kernel_follows_scores_that_climb_tile_by_tile(dtype, build)
     torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("build", ["native", *SCORES, "avx512"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "float32 over int8"], ids=str)
+@pytest.mark.parametrize("build", ["native", *SCORES, INT8_FMA_VALUES, "avx512"])
 def test_the_decode_kernel_follows_scores_that_climb_step_by_step(dtype, build):
     """Decode rows over keys whose scores rise by 10 every 16 keys (KV head 0's queries), by 3
     (head 1's) and fall by 3 (head 2's): the bf16 path moves a head's running max only when a
     score passes it by more than 8, so head 0's sums are rescaled at every step of 32 keys, head
     1's every other step, head 2's never after the first. Rows of 600 keys (split into ranges
     and merged) and 37 must still get the softmax: mostly the last keys' values for head 0, a
-    spread for head 1, the first keys' for head 2."""
+    spread for head 1, the first keys' for head 2. Over an int8 cache the same holds for the
+    path with 8-bit weights (each step's weights quantized against that step's largest)."""
     kernel = _kernel_build(build)
+    dtype, kv_dtype = _kernel_types(dtype)
     heads, kv_heads, dim, lens = 9, 3, 64, [600, 37]
     g = torch.Generator().manual_seed(11)
     direction = torch.nn.functional.normalize(torch.randn(dim, generator=g), dim=0)
@@ -641,18 +697,20 @@ def test_the_decode_kernel_follows_scores_that_climb_step_by_step(dtype, build):
         slots, kv_heads, dim, generator=g
     )
     caches = torch.stack([keys, torch.randn(slots, kv_heads, dim, generator=g)])
-    caches = caches.view(2, -1, 64, kv_heads, dim).to(dtype)
+    caches = _narrow_cache(caches.view(2, -1, 64, kv_heads, dim), kv_dtype)
     q = (8 * direction + 0.1 * torch.randn(len(lens), heads, dim, generator=g)).to(dtype)
     tables = torch.arange(10, dtype=torch.int32).expand(len(lens), -1).contiguous()
     out = torch.full_like(q, float("nan"))
     kernel.run(q, caches[0], caches[1], tables, torch.tensor(lens, dtype=torch.int32), out,
                dim**-0.5)  # fmt: skip
-    k, v = (c.reshape(-1, kv_heads, dim).double().repeat_interleave(3, 1) for c in caches)
+    k, v = (c.reshape(-1, kv_heads, dim).repeat_interleave(3, 1) for c in _cache_values(caches))
+    v_rows = caches[1].reshape(-1, kv_heads, caches.shape[-1]).repeat_interleave(3, 1)
+    queries = _queries_as_scored(kernel, q, kv_dtype)
     for row, n in enumerate(lens):
-        scores = torch.einsum("hd,khd->hk", q[row].double(), k[:n]) * dim**-0.5
+        scores = torch.einsum("hd,khd->hk", queries[row].double(), k[:n]) * dim**-0.5
         want = torch.einsum("hk,khd->hd", torch.softmax(scores, -1), v[:n])
-        tol = 1e-4 if dtype == torch.float32 else 1e-2
-        torch.testing.assert_close(out[row].double(), want, rtol=tol, atol=tol)
+        bound = functools.partial(_weight_rounding, scores, v_rows[:n])
+        _assert_attention(kernel, out[row], want, kv_dtype, 1e-4, bound)
 
 
 def test_an_unknown_decode_kernel_choice_is_refused():
@@ -762,3 +820,35 @@ def test_int8_query_products_add_little_to_the_int8_caches_own_error():
         errors.append((out[0].double() - exact).abs().max().item() / exact.abs().max().item())
     assert isinstance(vnni, cpu_kernel.PagedDecodeKernel) and vnni.int8_queries(dim)
     assert 0 < errors[1] <= 1.5 * errors[0], errors
+
+
+@pytest.mark.parametrize("sharpness", [1.0, 4.0], ids=["spread", "peaked"])
+def test_8_bit_weights_add_little_to_the_int8_caches_own_error(sharpness):
+    """Over an int8 cache a build with AVX512-VNNI and BW adds values by integer products, each
+    step's weights (times their rows' scales) quantized to 8 bits against the step's largest.
+    Against exact attention over the float keys and values (an outlier channel, softmax spread
+    or peaked, 1,000 and 7,000 keys), that adds little to what quantizing the cache already
+    costs: the error stays within 1.25x of the same build's with float32 FMAs for values."""
+    quantized = _kernel_build("native")
+    if not quantized.int8_values(64):
+        pytest.skip("this CPU has no AVX512-VNNI with AVX512-BW: values take float32 FMAs")
+    fma = _kernel_build(INT8_FMA_VALUES)
+    heads, kv_heads, dim = 9, 3, 64
+    for n in (1000, 7000):
+        g = torch.Generator().manual_seed(n)
+        values = torch.randn(2, n // BS + 1, BS, kv_heads, dim, generator=g)
+        values[..., 5] *= 8
+        q = sharpness * torch.randn(1, heads, dim, generator=g)
+        cache = quantize(values)
+        tables = torch.arange(1, n // BS + 2, dtype=torch.int32)[None].contiguous()
+        lens = torch.tensor([n], dtype=torch.int32)
+        keys, vals = (x.reshape(-1, kv_heads, dim)[BS : BS + n].double().repeat_interleave(3, 1)
+                      for x in values)  # fmt: skip
+        p = torch.softmax(torch.einsum("hd,khd->hk", q[0].double(), keys) * dim**-0.5, -1)
+        exact = torch.einsum("hk,khd->hd", p, vals)
+        errors = []
+        for kernel in (fma, quantized):
+            out = torch.empty(1, heads, dim)
+            kernel.run(q, cache[0], cache[1], tables, lens, out, dim**-0.5)
+            errors.append((out[0].double() - exact).abs().max().item())
+        assert 0 < errors[1] <= 1.25 * errors[0], (n, errors)

@@ -465,6 +465,8 @@ class CpuPagedAttentionBackend(AttentionBackend):
             isa = ISA_NAMES[kernel.isa]
             if self.kv_dtype == torch.int8 and kernel.int8_queries(self.head_dim):
                 isa += ", int8 keys by VNNI dot products with int8 queries"
+                if kernel.int8_values(self.head_dim):
+                    isa += ", values by VNNI with 8-bit weights"
             return f"{self.name} (decode rows: C++ kernel built with {isa}; prefill: {prefill})"
         kernel = None if self.tuning.decode_kernel == "off" else paged_decode_kernel()
         why = ("off" if self.tuning.decode_kernel == "off" else

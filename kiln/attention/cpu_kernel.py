@@ -1,5 +1,6 @@
 """The CPU attention kernels (`csrc/paged_decode.cpp`: decode rows, with `csrc/decode_bf16.h`
-for bf16 over a bf16 cache on AVX-512; `csrc/prefill.h`, in the same library: prefill
+for bf16 over a bf16 cache on AVX-512 and `csrc/decode_int8.h` over an int8 cache on
+AVX512-VNNI; `csrc/prefill.h`, in the same library: prefill
 chunks), built at first use with the machine's C++ compiler
 (kiln/native.py) and loaded with ctypes. Where it cannot be built (no
 compiler) the backend keeps its PyTorch path, and says so once."""
@@ -40,6 +41,13 @@ class PagedDecodeKernel:
         """Whether an int8 cache's keys are scored by integer dot products, the query quantized
         per head to int8 as the cache's rows are (AVX512-VNNI builds, head_dim % 32 == 0)."""
         query = getattr(self.library, "kiln_paged_decode_int8_queries", None)
+        return bool(query and query(head_dim))  # None: a source from before it (an A/B)
+
+    def int8_values(self, head_dim: int) -> bool:
+        """Whether decode rows over an int8 cache add values by integer dot products too, each
+        step's softmax weights (times the value rows' scales) quantized to 8 bits per head
+        (AVX512-VNNI and AVX512-BW builds, head_dim % 64 == 0)."""
+        query = getattr(self.library, "kiln_paged_decode_int8_values", None)
         return bool(query and query(head_dim))  # None: a source from before it (an A/B)
 
     def prefill_supported(self, head_dim: int) -> bool:
@@ -197,7 +205,8 @@ def _declare(library: ctypes.CDLL) -> None:
         library.kiln_paged_prefill.restype = None
         prefill_args = [ctypes.c_int, ctypes.c_int, *[ptr] * 7, *[i64] * 6, ctypes.c_float]
         library.kiln_paged_prefill.argtypes = [*prefill_args, ctypes.c_int]
-    for query in ("kiln_paged_decode_pair_scores", "kiln_paged_decode_pair_values"):
+    for query in ("kiln_paged_decode_pair_scores", "kiln_paged_decode_pair_values",
+                  "kiln_paged_decode_int8_values"):  # fmt: skip
         if hasattr(library, query):
             getattr(library, query).restype = ctypes.c_int
             getattr(library, query).argtypes = [i64]

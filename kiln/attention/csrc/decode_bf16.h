@@ -139,8 +139,8 @@ inline void score_products(const float* qs, const uint16_t* kc, const uint16_t* 
 #define KILN_DECODE_PAIR_VALUES 0
 #endif
 
-inline void prefetch_into_l2(const uint16_t* row, int64_t bytes) {
-  const char* line = reinterpret_cast<const char*>(row);
+inline void prefetch_into_l2(const void* row, int64_t bytes) {
+  const char* line = static_cast<const char*>(row);
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(line + b, _MM_HINT_T2);
 }
 
@@ -189,20 +189,21 @@ constexpr float MAX_SLACK = 8.f;
 
 // The step's scores folded into each head's running max m and its 16 lane sums (lanes + 16 i,
 // reduced once the range ends, not at every step); p[i * STEP + j] = the weight of key j (0
-// past n), correction[i] = what head i's sums so far are multiplied by (1 where m stayed)
-inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m, float* lanes,
-                         float* p, float* correction) {
+// past n), correction[i] = what head i's sums so far are multiplied by (1 where m stayed).
+// scores(i, s0, s1) gives head i's scores of keys 0-15 and 16-31 (lanes past n are ignored).
+template <typename Scores>
+inline void softmax_update(const Scores& scores, int64_t n, const Shape& sh, float* m,
+                           float* lanes, float* p, float* correction) {
   const __mmask16 live0 = static_cast<__mmask16>(n >= KEYS ? 0xffffu : (1u << n) - 1);
   const __mmask16 live1 =
       static_cast<__mmask16>(n >= STEP ? 0xffffu : n > KEYS ? (1u << (n - KEYS)) - 1 : 0u);
-  const __m512 scale = _mm512_set1_ps(sh.scale), neg_inf = _mm512_set1_ps(NEG_INF);
+  const __m512 neg_inf = _mm512_set1_ps(NEG_INF);
   for (int64_t i = 0; i < sh.heads; ++i) {
-    const float* pi = part + i * STEP * 16;
+    __m512 raw0, raw1;
+    scores(i, raw0, raw1);
     // keys past n, and NaN scores (vmaxps passes its second operand on NaN), count as -inf
-    const __m512 s0 = _mm512_max_ps(
-        _mm512_mask_mov_ps(neg_inf, live0, _mm512_mul_ps(hsum16(pi), scale)), neg_inf);
-    const __m512 s1 = _mm512_max_ps(
-        _mm512_mask_mov_ps(neg_inf, live1, _mm512_mul_ps(hsum16(pi + KEYS * 16), scale)), neg_inf);
+    const __m512 s0 = _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, live0, raw0), neg_inf);
+    const __m512 s1 = _mm512_max_ps(_mm512_mask_mov_ps(neg_inf, live1, raw1), neg_inf);
     const __m512 slack = _mm512_set1_ps(m[i] + MAX_SLACK);
     correction[i] = 1.f;
     if (_mm512_cmp_ps_mask(s0, slack, _CMP_GT_OQ) | _mm512_cmp_ps_mask(s1, slack, _CMP_GT_OQ)) {
@@ -223,6 +224,18 @@ inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m
     _mm512_storeu_ps(p + i * STEP, e0);
     _mm512_storeu_ps(p + i * STEP + KEYS, e1);
   }
+}
+
+// softmax_update over float32 products left unreduced (part: 16 lanes a head and key)
+inline void softmax_step(const float* part, int64_t n, const Shape& sh, float* m, float* lanes,
+                         float* p, float* correction) {
+  const __m512 scale = _mm512_set1_ps(sh.scale);
+  const auto scores = [&](int64_t i, __m512& s0, __m512& s1) {
+    const float* pi = part + i * STEP * 16;
+    s0 = _mm512_mul_ps(hsum16(pi), scale);
+    s1 = _mm512_mul_ps(hsum16(pi + KEYS * 16), scale);
+  };
+  softmax_update(scores, n, sh, m, lanes, p, correction);
 }
 
 // acc (GS heads of one KV head, each 32 * C floats as even/odd halves of every 32 dims) times

@@ -151,12 +151,23 @@ inline void prefetch_value_row(const KV* vc, const int64_t* row, const Shape& sh
 // unsigned by signed bytes, so keys go in as k + 128 (their sign bit flipped) and 128 * sum(q8)
 // is taken off the sum.
 struct QuantizedQuery {
-  alignas(32) int8_t values[MAX_HEADS * 256];
+  alignas(64) int8_t values[MAX_HEADS * 256];
   float scale[MAX_HEADS];   // qs times the softmax scale
   float offset[MAX_HEADS];  // 128 * sum(q8)
 };
 
 inline bool int8_dots(int64_t head_dim) { return head_dim % 32 == 0; }
+
+// qq from the float32 query qf (all heads), quantized per head as the cache's rows are
+inline void quantize_query(const float* qf, const Shape& sh, QuantizedQuery& qq) {
+  const int64_t D = sh.head_dim;
+  for (int64_t i = 0; i < sh.heads; ++i) {
+    qq.scale[i] = quantize_row(qf + i * D, D, qq.values + i * D) * sh.scale;
+    int32_t total = 0;
+    for (int64_t c = 0; c < D; ++c) total += qq.values[i * D + c];
+    qq.offset[i] = 128.f * static_cast<float>(total);
+  }
+}
 
 // part[g * 64 + lane] = the 8 int32 lanes of (k + 128) . q8_g for GS query heads of one KV head
 template <int GS>
@@ -329,6 +340,7 @@ inline void add_tile(const float* p, float* acc, const KV* kc, const KV* vc, con
 }  // namespace
 
 #include "decode_bf16.h"
+#include "decode_int8.h"
 
 namespace {
 
@@ -342,6 +354,11 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
     if (bf16_decode_supported(sh.head_dim))
       return attend_range_bf16(q, kc, vc, table, t0, t1, sh, acc, m, l);
 #endif
+#if KILN_DECODE_INT8_VALUES
+  if constexpr (std::is_same_v<KV, int8_t>)
+    if (int8_decode_supported(sh.head_dim))
+      return attend_range_int8(q, kc, vc, table, t0, t1, sh, acc, m, l);
+#endif
   const int64_t H = sh.heads, D = sh.head_dim, row_elems = sh.kv_heads * sh.head_stride;
   float qf[MAX_HEADS * 256];
   float s[MAX_HEADS * TILE];
@@ -350,12 +367,7 @@ void attend_range(const Q* q, const KV* kc, const KV* vc, const int32_t* table, 
 #if defined(KILN_INT8_DOTS)
   QuantizedQuery qq;
   const bool by_int8 = std::is_same_v<KV, int8_t> && int8_dots(D);
-  for (int64_t i = 0; by_int8 && i < H; ++i) {
-    qq.scale[i] = quantize_row(qf + i * D, D, qq.values + i * D) * sh.scale;
-    int32_t total = 0;
-    for (int64_t c = 0; c < D; ++c) total += qq.values[i * D + c];
-    qq.offset[i] = 128.f * static_cast<float>(total);
-  }
+  if (by_int8) quantize_query(qf, sh, qq);
 #endif
   std::fill(m, m + H, NEG_INF);
   std::fill(l, l + H, 0.f);
@@ -606,6 +618,18 @@ int kiln_paged_decode_pair_scores(int64_t head_dim) {
 int kiln_paged_decode_pair_values(int64_t head_dim) {
 #if defined(__AVX512F__) && KILN_DECODE_PAIR_VALUES
   return bf16_decode_supported(head_dim) ? 1 : 0;
+#else
+  (void)head_dim;
+  return 0;
+#endif
+}
+
+// 1 where decode rows over an int8 cache of head_dim add values by integer products, the
+// step's weights quantized to 8 bits (decode_int8.h: AVX512-VNNI and BW builds, head_dim a
+// multiple of 64; -DKILN_DECODE_INT8_VALUES=0 turns it off), else 0
+int kiln_paged_decode_int8_values(int64_t head_dim) {
+#if KILN_DECODE_INT8_VALUES
+  return int8_decode_supported(head_dim) ? 1 : 0;
 #else
   (void)head_dim;
   return 0;
