@@ -414,14 +414,15 @@ def _queries_as_scored(kernel, q: torch.Tensor, kv_dtype: torch.dtype) -> torch.
 def _weight_rounding(scores: torch.Tensor, v_rows: torch.Tensor) -> torch.Tensor:
     """The most each output [heads, dim] of one decode row may move when an int8 cache's values
     take 8-bit weights (decode_int8.h): a weight w_j = p_j * s_j (s_j key j's value-row scale)
-    moves by at most half a unit, a unit being its step's largest weight over 255, at most the
-    row's largest over 255; so output d moves by at most max_j w_j / 510 * sum_j |q_jd|
-    (p summing to 1, q the int8 values). scores [heads, n]; v_rows [n, heads, dim + 4], the
-    value rows each query head reads."""
+    moves by at most half a unit, a unit being its step's largest weight over 255. A step is 32
+    keys wherever the row's ranges start, so key j's step lies within keys j - 31 .. j + 31 and
+    its unit is at most their largest w over 255: output d moves by at most
+    sum_j max(w_{j-31..j+31}) / 510 * |q_jd| (p summing to 1, q the int8 values).
+    scores [heads, n]; v_rows [n, heads, dim + 4], the value rows each query head reads."""
     p = torch.softmax(scores.double(), -1)
     scale = v_rows[..., -4:].contiguous().view(torch.float32)[..., 0].double().T  # [heads, n]
-    top = (p * scale).amax(-1, keepdim=True)
-    return top / 510 * v_rows[..., :-4].double().abs().sum(0)
+    near = torch.nn.functional.max_pool1d((p * scale)[:, None], 63, stride=1, padding=31)[:, 0]
+    return torch.einsum("hn,nhd->hd", near / 510, v_rows[..., :-4].double().abs())
 
 
 def _decode_row_rounding(caches, queries, layout, row: int) -> torch.Tensor:
@@ -522,16 +523,19 @@ def _kernel_build(build: str):
     return kernel
 
 
+LONG_ROW_SHAPES = [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 2, 96), (4, 1, 256), (6, 6, 16),
+                   (16, 8, 128), (8, 8, 192)]  # fmt: skip
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
-@pytest.mark.parametrize(
-    "shape", [(9, 3, 64), (16, 2, 64), (12, 2, 32), (6, 2, 96), (4, 1, 256), (6, 6, 16)], ids=str
-)
+@pytest.mark.parametrize("shape", LONG_ROW_SHAPES, ids=str)
 @pytest.mark.parametrize("build", BUILDS)
 def test_the_kernel_on_long_rows_matches_attention_by_hand(dtype, shape, build):
     """Rows of 1,100, 257, 64 and 9 keys over fragmented blocks of 16: many tiles (the online
     softmax's rescaling), rows split into ranges and merged, keys scored 8 at a time with their
     remainder, and query-head groups of 3, 8 (two register groups of 4), 6 (4 + 2) and 1,
-    against float64 by hand."""
+    against float64 by hand. Over an int8 cache, rows of up to 512 bytes (every KV head of a
+    key) take the transposed scores and longer ones (8 KV heads of 128 or 192) the row scorer."""
     heads, kv_heads, dim = shape
     kernel = _kernel_build(build)
     dtype, kv_dtype = _kernel_types(dtype)

@@ -196,10 +196,16 @@ inline void quantize_weights(const float* p, const float* vs, const Shape& sh, u
     const __m512 w1 =
         _mm512_mul_ps(_mm512_loadu_ps(p + i * STEP + KEYS), _mm512_loadu_ps(s + KEYS));
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(w0, w1));
-    const bool any = top > 0.f && top < INFINITY;  // else no weight this step (or no finite one)
-    unit[i] = any ? top / 255.f : 0.f;
-    const __m512 inv = _mm512_set1_ps(any ? 255.f / top : 0.f);
-    // rounded to nearest (the default MXCSR mode); unsigned saturation keeps them in 0..255
+    // A step whose weights are all below about 1e-36 of the running max (255 / top not finite)
+    // adds nothing: the general path's sum of them is below float32's reach of the output. An
+    // infinite or NaN weight (an infinite value scale) makes the head's output NaN, as the
+    // general path's inf * 0 does.
+    const float inv_top = 255.f / top;
+    const bool finite = top <= std::numeric_limits<float>::max();
+    const bool any = finite && top > 0.f && inv_top <= std::numeric_limits<float>::max();
+    unit[i] = any ? top / 255.f : finite ? 0.f : std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(any ? inv_top : 0.f);
+    // w * inv is then in [0, 255] (w >= 0, finite), rounded to nearest (the default MXCSR mode)
     const __m128i b0 = _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w0, inv)));
     const __m128i b1 = _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i * STEP), b0);
