@@ -804,12 +804,21 @@ def test_int8_query_products_add_little_to_the_int8_caches_own_error():
 
     vnni = _kernel_build("avx512-vnni")
     plain = _kernel_build("avx512")
-    heads, kv_heads, dim, n = 9, 3, 64, 1024
     g = torch.Generator().manual_seed(5)
+    errors = _errors_against_exact_attention((plain, vnni), 1024, g, query_outlier=4.0)
+    assert isinstance(vnni, cpu_kernel.PagedDecodeKernel) and vnni.int8_queries(64)
+    assert 0 < errors[1] <= 1.5 * errors[0], errors
+
+
+def _errors_against_exact_attention(kernels, n: int, g, query_outlier=1.0, sharpness=1.0):
+    """Each kernel's largest error, relative to the largest output, over one decode row of n
+    keys of an int8 cache (9/3 heads of 64, an outlier channel in the keys and values) against
+    exact attention over the float keys and values."""
+    heads, kv_heads, dim = 9, 3, 64
     values = torch.randn(2, n // BS + 1, BS, kv_heads, dim, generator=g)
     values[..., 5] *= 8
-    q = torch.randn(1, heads, dim, generator=g)
-    q[..., 5] *= 4
+    q = sharpness * torch.randn(1, heads, dim, generator=g)
+    q[..., 5] *= query_outlier
     cache = quantize(values)
     tables = torch.arange(1, n // BS + 1, dtype=torch.int32)[None].contiguous()
     lens = torch.tensor([n], dtype=torch.int32)
@@ -818,12 +827,11 @@ def test_int8_query_products_add_little_to_the_int8_caches_own_error():
     p = torch.softmax(torch.einsum("hd,khd->hk", q[0].double(), keys) * dim**-0.5, -1)
     exact = torch.einsum("hk,khd->hd", p, vals)
     errors = []
-    for kernel in (plain, vnni):
+    for kernel in kernels:
         out = torch.empty(1, heads, dim)
         kernel.run(q, cache[0], cache[1], tables, lens, out, dim**-0.5)
         errors.append((out[0].double() - exact).abs().max().item() / exact.abs().max().item())
-    assert isinstance(vnni, cpu_kernel.PagedDecodeKernel) and vnni.int8_queries(dim)
-    assert 0 < errors[1] <= 1.5 * errors[0], errors
+    return errors
 
 
 @pytest.mark.parametrize("sharpness", [1.0, 4.0], ids=["spread", "peaked"])
@@ -837,22 +845,7 @@ def test_8_bit_weights_add_little_to_the_int8_caches_own_error(sharpness):
     if not quantized.int8_values(64):
         pytest.skip("this CPU has no AVX512-VNNI with AVX512-BW: values take float32 FMAs")
     fma = _kernel_build(INT8_FMA_VALUES)
-    heads, kv_heads, dim = 9, 3, 64
     for n in (1000, 7000):
         g = torch.Generator().manual_seed(n)
-        values = torch.randn(2, n // BS + 1, BS, kv_heads, dim, generator=g)
-        values[..., 5] *= 8
-        q = sharpness * torch.randn(1, heads, dim, generator=g)
-        cache = quantize(values)
-        tables = torch.arange(1, n // BS + 2, dtype=torch.int32)[None].contiguous()
-        lens = torch.tensor([n], dtype=torch.int32)
-        keys, vals = (x.reshape(-1, kv_heads, dim)[BS : BS + n].double().repeat_interleave(3, 1)
-                      for x in values)  # fmt: skip
-        p = torch.softmax(torch.einsum("hd,khd->hk", q[0].double(), keys) * dim**-0.5, -1)
-        exact = torch.einsum("hk,khd->hd", p, vals)
-        errors = []
-        for kernel in (fma, quantized):
-            out = torch.empty(1, heads, dim)
-            kernel.run(q, cache[0], cache[1], tables, lens, out, dim**-0.5)
-            errors.append((out[0].double() - exact).abs().max().item())
+        errors = _errors_against_exact_attention((fma, quantized), n, g, sharpness=sharpness)
         assert 0 < errors[1] <= 1.25 * errors[0], (n, errors)

@@ -70,13 +70,14 @@ inline void transpose16(__m512i* x) {
   for (int d = 0; d < 16; ++d) x[d] = t[d];
 }
 
-// ks[h * STEP + j]: key j's scale in KV head h (zero past n)
-inline void key_scales(const int8_t* kc, const int64_t* rows, int64_t n, const Shape& sh,
-                       float* ks) {
+// scales[h * STEP + j] = the scale of key j's row in KV head h of `cache` (keys or values),
+// zero past n
+inline void row_scales(const int8_t* cache, const int64_t* rows, int64_t n, const Shape& sh,
+                       float* scales) {
   for (int64_t h = 0; h < sh.kv_heads; ++h) {
     for (int64_t j = 0; j < n; ++j)
-      ks[h * STEP + j] = row_scale(kc + rows[j] + h * sh.head_stride, sh.head_dim);
-    std::fill(ks + h * STEP + n, ks + (h + 1) * STEP, 0.f);
+      scales[h * STEP + j] = row_scale(cache + rows[j] + h * sh.head_stride, sh.head_dim);
+    std::fill(scales + h * STEP + n, scales + (h + 1) * STEP, 0.f);
   }
 }
 
@@ -140,7 +141,7 @@ inline void score_int8_keys(const QuantizedQuery& qq, const int8_t* kc, const in
 // head's 16 keys reduced by one transposing add tree (hsum16). Transposing blocks of 16 keys
 // took 1.15x less arithmetic on Qwen3's 8 KV heads of 128 but read their 1 KiB rows out of
 // order: 0.95-1.03x from memory (benchmarks/decode_kernel_ab.py --layers 30), where SmolLM2's
-// 204-byte rows gained 1.07-1.16x. Fills ks as key_scales does, as it reads each row.
+// 204-byte rows gained 1.07-1.16x. Fills ks as row_scales does, as it reads each row.
 template <int C>
 inline void score_int8_rows(const QuantizedQuery& qq, const int8_t* kc, const int64_t* rows,
                             int64_t n, const Shape& sh, float* ks, float* s,
@@ -210,16 +211,6 @@ inline void quantize_weights(const float* p, const float* vs, const Shape& sh, u
     const __m128i b1 = _mm512_cvtusepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(w1, inv)));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i * STEP), b0);
     _mm_storeu_si128(reinterpret_cast<__m128i*>(wq + i * STEP + KEYS), b1);
-  }
-}
-
-// The step's value scales: vs[h * STEP + j] of key j's row in KV head h (zero past n)
-inline void value_scales(const int8_t* vc, const int64_t* rows, int64_t n, const Shape& sh,
-                         float* vs) {
-  for (int64_t h = 0; h < sh.kv_heads; ++h) {
-    for (int64_t j = 0; j < n; ++j)
-      vs[h * STEP + j] = row_scale(vc + rows[j] + h * sh.head_stride, sh.head_dim);
-    std::fill(vs + h * STEP + n, vs + (h + 1) * STEP, 0.f);
   }
 }
 
@@ -346,13 +337,13 @@ void attend_range_int8_chunks(const Q* q, const int8_t* kc, const int8_t* vc, co
     const int64_t next_n = std::max<int64_t>(0, std::min(STEP, t1 - t - STEP));
     if (next_n) tile_rows(table, t + STEP, next_n, sh.block_size, row_elems, next_rows);
     if constexpr (TRANSPOSED) {
-      key_scales(kc, rows, n, sh, ks);
+      row_scales(kc, rows, n, sh, ks);
       score_int8_keys<C>(qq, kc, rows, n, sh, ks, sc, next_rows, next_n);
     } else {
       score_int8_rows<C>(qq, kc, rows, n, sh, ks, sc, next_rows, next_n);
     }
     softmax_update(scores, n, sh, m, lanes, p, correction);
-    value_scales(vc, rows, n, sh, vs);
+    row_scales(vc, rows, n, sh, vs);
     quantize_weights(p, vs, sh, wq, unit);
     int8_values_for<C>(wq, unit, correction, vc, rows, n, sh, acc, next_rows, next_n);
     std::swap(rows, next_rows);
