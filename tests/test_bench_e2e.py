@@ -90,6 +90,11 @@ def test_bench_run_passes_report_each_pass_against_the_first(baseline_server, tm
     delta_aggregate = row.split("|")[-3].strip()
     assert delta_aggregate.endswith("%") and delta_aggregate != "-"
     assert "2 passes per server" in (out / "report.md").read_text()
+    (trend,) = doc["passes"]  # the two passes' summary, printed and in both reports
+    assert trend["config"] == "smollm2-baseline" and len(trend["rates"]) == 2
+    assert trend["last_vs_first"] == pytest.approx(trend["rates"][1] / trend["rates"][0] - 1)
+    assert "| smollm2-baseline | coding 256 | 2 |" in printed
+    assert "## Passes on one server" in (out / "report.md").read_text()
 
 
 def test_bench_run_unreachable_server_is_a_clear_error(tmp_path, capsys):

@@ -10,6 +10,7 @@ import os
 
 from kiln.bench.client import OpenAIClient, run_client
 from kiln.bench.matrix import bench_server, matrix_profiles, run_matrix, served_model
+from kiln.bench.passes import markdown_passes
 from kiln.bench.prompts import suite_names
 from kiln.bench.report import write_reports
 from kiln.bench.runner import BenchSettings, RunResult
@@ -92,6 +93,9 @@ def _finish(results: list[RunResult], out_dir: str, title: str) -> int:
             print(f"probe {mark} [{res.config}]: {p.prompt!r} -> {p.answer!r}")
     if rows:
         print(markdown_table(rows, with_deltas=len(results) > 1))
+        passes = markdown_passes(rows)
+        if passes:
+            print(passes)
     print("reports: " + ", ".join(paths.values()))
     probes_ok = all(res.probes_passed is not False for res in results)
     return 0 if probes_ok and all(r.valid for r in rows) else 1  # 1: some result is invalid
