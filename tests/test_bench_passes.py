@@ -12,10 +12,12 @@ from kiln.bench.passes import markdown_passes, pass_trends
 from kiln.bench.summary import Row
 
 
-def _row(config: str, rate: float | None, concurrency: int = 16, generation: float = 5.0) -> Row:
+def _row(
+    config: str, rate: float | None, concurrency: int = 16, generation: float = 5.0, valid: int = 1
+) -> Row:
     return Row(
         config=config, suite="regular", size=512, concurrency=concurrency, trials=1,
-        valid_trials=1, generation_tok_s=generation, aggregate_output_tok_s=rate,
+        valid_trials=valid, generation_tok_s=generation, aggregate_output_tok_s=rate,
     )  # fmt: skip
 
 
@@ -32,8 +34,31 @@ def test_series_are_grouped_per_configuration_and_load_in_pass_order():
     trends = {t.config: t for t in pass_trends(rows)}
     assert sorted(trends) == ["a", "c"]
     assert trends["a"].rates == [100.0, 98.0, 96.0] and trends["a"].concurrency == 16
-    assert trends["c"].rates == [9.0, 9.9]
+    assert trends["c"].rates == [9.0, 9.9] and trends["c"].unit == "stream"
+    assert trends["a"].unit == "aggregate" and trends["a"].passes == [1, 2, 3]
     assert trends["c"].last_vs_first == pytest.approx(0.1)
+
+
+def test_a_failed_or_invalid_pass_leaves_a_gap_the_line_is_fitted_across():
+    rows = [
+        _row("x pass 1/5", 100.0),
+        _row("x pass 2/5", None, generation=None),  # failed: no rate at all
+        _row("x pass 3/5", 80.0, valid=0),  # its requests failed validation
+        _row("x pass 4/5", 99.0),
+        _row("x pass 5/5", 90.0),
+    ]
+    (trend,) = pass_trends(rows)
+    assert trend.passes == [1, 4, 5] and trend.rates == [100.0, 99.0, 90.0]
+    slope, _ = np.polyfit([1, 4, 5], trend.rates, 1)
+    assert trend.fitted_change[0] == pytest.approx(slope * 4 / np.mean(trend.rates))
+    assert "| 100.0, -, -, 99.0, 90.0 |" in markdown_passes(rows)
+
+
+def test_one_unit_per_series_the_streams_rate_where_a_pass_has_no_aggregate():
+    rows = [_row("x pass 1/2", 100.0, generation=5.0), _row("x pass 2/2", None, generation=4.0)]
+    (trend,) = pass_trends(rows)
+    assert trend.unit == "stream" and trend.rates == [5.0, 4.0]
+    assert "5.0, 4.0 (streams)" in markdown_passes(rows)
 
 
 def test_fitted_change_matches_numpys_least_squares():

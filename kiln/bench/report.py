@@ -94,8 +94,10 @@ def write_reports(runs: list[RunResult], out_dir: str, title: str) -> dict[str, 
 
 PASSES_NOTE = (
     "The same load again and again on one server. A pass moves by a few percent on its own on a "
-    "shared machine, so the fitted change (a least-squares line through every pass) says more "
-    "than the last pass against the first: a real slowdown is several standard errors below zero."
+    "shared machine, and the machine drifts over minutes, either way; a server that slows down "
+    "over its life is below zero in every series. The fitted change (a least-squares line "
+    "through every pass) says more than the last pass against the first; its error treats the "
+    "passes as independent, which drift is not, so it is a lower bound."
 )
 
 

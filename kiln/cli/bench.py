@@ -95,7 +95,7 @@ def _finish(results: list[RunResult], out_dir: str, title: str) -> int:
         print(markdown_table(rows, with_deltas=len(results) > 1))
         passes = markdown_passes(rows)
         if passes:
-            print(passes)
+            print(f"\npasses on one server:\n{passes}")
     print("reports: " + ", ".join(paths.values()))
     probes_ok = all(res.probes_passed is not False for res in results)
     return 0 if probes_ok and all(r.valid for r in rows) else 1  # 1: some result is invalid
