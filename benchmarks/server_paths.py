@@ -82,7 +82,7 @@ def inverse(build, args) -> None:
 
     def deliver(outputs) -> None:
         for out in outputs:
-            loop.call_soon_threadsafe(_Sink.put, out)
+            loop.call_soon_threadsafe(_take, out)
 
     for r in range(args.requests):
         print(f"inverse {_run(engine, str(r), args.tokens, deliver):.2f} s", flush=True)
@@ -102,11 +102,9 @@ def wakeups(build, args) -> None:
         print(f"no loop {quiet:.2f} s, loop woken per step ({args.work_ms} ms) {woken:.2f} s")
 
 
-class _Sink:
-    @staticmethod
-    def put(out) -> None:
-        """Where `inverse` delivers: the loop thread wakes and takes the output, as a stream's
-        queue would."""
+def _take(out) -> None:
+    """Where `inverse` delivers: the loop thread wakes and takes the output, as a stream's
+    queue would."""
 
 
 LAYOUTS = {
