@@ -75,6 +75,31 @@ def test_packed_matmul_matches_dequantized(kind, rows, dtype, n):
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
 
 
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
+def test_planes_without_zeros_keep_their_scales_alone(kind, monkeypatch):
+    """A plane whose zeros are all 0 (Q4_0, Q8_0's high plane) keeps a [K/G, N, 1] table on the
+    CPU, 10% fewer bytes a weight for a decode step to read; one with zeros (Q4_1, Q8_0's low
+    plane) keeps the pairs. The product is bit for bit the one over the pairs table (its zeros
+    written back as 0), on kiln's kernel at 1 and 5 rows, dequantized at 300, and on aten's
+    kernel where kiln's was not built."""
+    from kiln.layers import packed as packed_module
+    from kiln.layers.cpu_int4_layout import pairs_table
+
+    _, planes = _gguf_tensor(kind, 192, 512)
+    packed = PackedInt4(planes, CPU)
+    widths = [sz.shape[-1] for sz in packed.planes()[1]]
+    assert widths == {"Q4_0": [1], "Q4_1": [2], "Q8_0": [1, 2]}[kind]
+    pairs = PackedInt4(planes, CPU)
+    for i in range(pairs.num_planes):
+        setattr(pairs, f"scales_zeros{i}", pairs_table(getattr(pairs, f"scales_zeros{i}")))
+    x = torch.randn(300, 512, generator=torch.Generator().manual_seed(2))
+    for rows in (1, 5, 300):
+        assert torch.equal(packed(x[:rows]), pairs(x[:rows]))
+    monkeypatch.setattr(packed_module, "int4_matmul_kernel", lambda: None)
+    for rows in (1, 300):
+        assert torch.equal(packed(x[:rows]), pairs(x[:rows]))
+
+
 @pytest.mark.parametrize("n", [64, 192])
 def test_direct_packing_is_atens_converter(n):
     """kiln writes the CPU layout itself in uint8 (10x faster at load): byte for byte what aten's
@@ -219,10 +244,12 @@ def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: s
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("block", [32, 64])  # AVX2's layout and AVX-512's: any build reads both
 @pytest.mark.parametrize("group", [32, 128])
-def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
+@pytest.mark.parametrize("terms", [2, 1])  # (scale, zero) pairs, or the scales alone
+def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group, terms):
     """kiln's C++ int4 matmul on aten's CPU layout, every build this CPU runs, against float64
     by hand: rows 1, 2, 3 and 5 (its register blocks of rows and their remainder), and the
-    second plane of Q8_0 added into the first's output."""
+    second plane of Q8_0 (always with pairs: its low plane has zeros) added into the first's
+    output."""
     from kiln import native
     from kiln.layers.cpu_int4_layout import cpu_dequantize_t
     from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
@@ -242,7 +269,7 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
     isa = {"avx512": 2, "avx2": 1, "portable": 0}.get(build, kernel and kernel.isa)
     assert kernel is not None and kernel.isa == isa
     n, k = 128, 512
-    planes = [_random_plane(n, k, group, block) for _ in range(2)]
+    planes = [_random_plane(n, k, group, block, terms), _random_plane(n, k, group, block)]
     w = [cpu_dequantize_t(p, sz, group, torch.float64, block) for p, sz in planes]  # [K, N]
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k)
@@ -265,14 +292,17 @@ def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group):
         assert torch.equal(kernel.dequantize_t(*planes[0], group, block, dtype), want)
 
 
-def _random_plane(n: int, k: int, group: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random codes packed in blocks of `block` rows, and random (scale, zero) per group."""
+def _random_plane(
+    n: int, k: int, group: int, block: int, terms: int = 2
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random codes packed in blocks of `block` rows, and random (scale, zero) per group: a
+    [K/G, N, 2] table, or (`terms` 1) the scales alone, [K/G, N, 1] (every zero 0)."""
     from kiln.layers.cpu_int4_layout import cpu_pack
 
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
     scale, zero = torch.rand(n, k // group) * 0.1, torch.randn(n, k // group) * 0.1
     sz = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
-    return cpu_pack(codes, block), sz
+    return cpu_pack(codes, block), sz[..., :terms].contiguous()
 
 
 def _int8_kernel():
@@ -286,7 +316,8 @@ def _int8_kernel():
 
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("planes", [1, 2])
-def test_int8_rows_are_the_rows_quantized_by_hand(group, planes):
+@pytest.mark.parametrize("terms", [2, 1])
+def test_int8_rows_are_the_rows_quantized_by_hand(group, planes, terms):
     """The int8 path (--packed-activations int8 / int16) against the same quantization done
     by hand in float64 (int8_rows_product): rows 1, 2, 3 and 5 (its blocks of two rows and the
     remainder), the second plane of Q8_0 added into the first's output, rows of very different
@@ -297,8 +328,8 @@ def test_int8_rows_are_the_rows_quantized_by_hand(group, planes):
     kernel = _int8_kernel()
     n, k = 128, 512
     weights = []
-    for _ in range(2):
-        packed, sz = _random_plane(n, k, group, 64)
+    for table_terms in (terms, 2):
+        packed, sz = _random_plane(n, k, group, 64, table_terms)
         weights.append((packed, sz, cpu_dequantize_t(packed, sz, group, torch.float64, 64)))
     for rows in (1, 2, 3, 5):
         x = torch.randn(rows, k) * torch.logspace(-3, 2, k)

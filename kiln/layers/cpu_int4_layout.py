@@ -1,7 +1,11 @@
 """PyTorch's CPU int4 packing: how `_convert_weight_to_int4pack_for_cpu` lays out 4-bit codes,
 which block of rows this machine's build uses, and the layout read back (dequantized weights,
 rows of an embedding). Both CPU int4 kernels (aten's and kiln's, kiln/layers/int4_kernel.py)
-read this layout, so there is one copy of each packed weight."""
+read this layout, so there is one copy of each packed weight.
+
+The table beside the codes is [K/G, N, 2] bf16 (scale, zero) per group, as aten's kernel takes
+it, or [K/G, N, 1] (the scales alone) where every zero is 0: kiln's kernel reads either, and a
+one-row step then streams 4.5 bits a weight instead of 5 (`scale_only_table`)."""
 
 from __future__ import annotations
 
@@ -56,7 +60,7 @@ def cpu_dequantize_t(
     out = torch.empty(k, blocks.shape[0], 2, half, dtype=dtype)
     out[:, :, 0].copy_(torch.bitwise_and(blocks, 15).transpose(0, 1))
     out[:, :, 1].copy_(torch.bitwise_right_shift(blocks, 4).transpose(0, 1))
-    scale, zero = scales_zeros.to(dtype).unbind(-1)
+    scale, zero = table_terms(scales_zeros.to(dtype))
     w = out.view(k // group_size, group_size, -1)
     w.mul_(scale.unsqueeze(1)).add_((zero - 8 * scale).unsqueeze(1))
     return out.view(k, -1)
@@ -74,5 +78,25 @@ def cpu_rows(
     raw = blocks[ids // block_n, :, within % half]  # [T, K]
     shift = (within // half * 4).to(torch.uint8).unsqueeze(1)
     codes = torch.bitwise_and(torch.bitwise_right_shift(raw, shift), 15).float()
-    sz = scales_zeros[:, ids].float().repeat_interleave(group_size, 0)  # [K, T, 2]
-    return (codes - 8) * sz[..., 0].t() + sz[..., 1].t()
+    scale, zero = table_terms(scales_zeros[:, ids].float().repeat_interleave(group_size, 0))
+    return (codes - 8) * scale.t() + zero.t()  # the terms [K, T]
+
+
+def table_terms(table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero) [..., K/G, N] of a table of either width (the zeros of a scales-only one
+    are 0)."""
+    if table.shape[-1] == 2:
+        return table[..., 0], table[..., 1]
+    return table[..., 0], torch.zeros_like(table[..., 0])
+
+
+def scale_only_table(table: torch.Tensor) -> torch.Tensor:
+    """[..., 1] (the scales) where every zero of the [..., 2] `table` is 0, else `table`."""
+    return table[..., :1].contiguous() if not table[..., 1].any() else table
+
+
+def pairs_table(table: torch.Tensor) -> torch.Tensor:
+    """The [..., 2] (scale, zero) table aten's kernels take, from a table of either width."""
+    if table.shape[-1] == 2:
+        return table
+    return torch.cat([table, torch.zeros_like(table)], -1)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack
+from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack, table_terms
 from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
@@ -38,7 +38,8 @@ class Int4MatmulKernel:
         group_size: int, block_n: int, out: torch.Tensor | None = None, int8_planes: int = 0,
     ) -> torch.Tensor:  # fmt: skip
         """float32 [R, K] rows (contiguous) times the plane (`packed` [N, K/2] uint8 in blocks
-        of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16) -> float32 [R, N]; added into `out`
+        of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16, or [K/G, N, 1]: the scales alone,
+        every zero 0) -> float32 [R, N]; added into `out`
         where it is given. `int8_planes` 1 or 2: the rows go in as that many int8 planes per 32
         columns (8 or 16 bits of each value) where this build has that path and `block_n` is 64
         (else, and with 0, as float32)."""
@@ -48,8 +49,9 @@ class Int4MatmulKernel:
         if out is None:
             out = torch.empty(r, n, dtype=torch.float32)
         self.library.kiln_int4_mm(
-            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(), n, block_n,
-            group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(), int8_planes,
+            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(),
+            scales_zeros.shape[2], n, block_n, group_size, out.data_ptr(), int(accumulate),
+            torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
 
@@ -64,7 +66,8 @@ class Int4MatmulKernel:
         out = torch.empty(r, scales_zeros.shape[1], dtype=dtype)
         self.library.kiln_int4_mm_cast(
             CAST_DTYPES[rows.dtype], rows.data_ptr(), r, k, packed.data_ptr(),
-            scales_zeros.data_ptr(), scales_zeros.shape[1], block_n, group_size,
+            scales_zeros.data_ptr(), scales_zeros.shape[2], scales_zeros.shape[1], block_n,
+            group_size,
             CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
@@ -78,7 +81,8 @@ class Int4MatmulKernel:
         k, n = packed.shape[1] * 2, scales_zeros.shape[1]
         out = torch.empty(k, n, dtype=dtype)
         self.library.kiln_int4_dequantize_t(
-            packed.data_ptr(), scales_zeros.data_ptr(), n, k, block_n, group_size,
+            packed.data_ptr(), scales_zeros.data_ptr(), scales_zeros.shape[2], n, k, block_n,
+            group_size,
             CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -105,23 +109,24 @@ SELF_CHECK_TOLERANCE = 1e-4  # float32 sums over 256 columns: ~1e-6; a wrong cod
 
 def self_check_error(kernel: Int4MatmulKernel) -> float:
     """The kernel's largest error on a small random matrix in both CPU layouts (blocks of 32
-    and 64), relative to the largest float64 product by hand, with float32 rows and (where it
-    has that path) int8 planes of them: a vector path that misreads the layout on some CPU is
-    found at boot, not in a model's output."""
+    and 64) and both table widths, relative to the largest float64 product by hand, with
+    float32 rows and (where it has that path) int8 planes of them: a vector path that misreads
+    the layout on some CPU is found at boot, not in a model's output."""
     g = torch.Generator().manual_seed(0)
     n, k, group = 128, 256, 32
     codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
     scale, zero = torch.rand(n, k // group, generator=g), torch.randn(n, k // group, generator=g)
-    scales_zeros = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
+    pairs = torch.stack([scale.t(), zero.t()], -1).to(torch.bfloat16).contiguous()
     x = torch.randn(5, k, generator=g)
     worst = 0.0
     for block in (32, 64):
         packed = cpu_pack(codes, block)
-        w = cpu_dequantize_t(packed, scales_zeros, group, torch.float64, block)
-        for planes in (0, 1, 2) if kernel.has_int8_rows and block == 64 else (0,):
-            want = int8_rows_product(x, planes, w, scales_zeros, group)
-            got = kernel.matmul(x, packed, scales_zeros, group, block, int8_planes=planes)
-            worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
+        for table in (pairs, pairs[..., :1].contiguous()):
+            w = cpu_dequantize_t(packed, table, group, torch.float64, block)
+            for planes in (0, 1, 2) if kernel.has_int8_rows and block == 64 else (0,):
+                want = int8_rows_product(x, planes, w, table, group)
+                got = kernel.matmul(x, packed, table, group, block, int8_planes=planes)
+                worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
     return worst
 
 
@@ -143,7 +148,7 @@ def int8_rows_product(
         rest = (chunks.double() * inverse.double() - q.double()).float()
         q = q + torch.round(rest * 256).clamp(-127, 127) / 256
     approx = (q.double() * (amax.double() / 127)).view_as(x)  # float32 scale, as the kernel's
-    scale, zero = scales_zeros.double().unbind(-1)  # [K/G, N]
+    scale, zero = table_terms(scales_zeros.double())  # [K/G, N]
     bias = (zero - 8 * scale).repeat_interleave(group, 0)  # [K, N]
     return approx @ w + (x.double() - approx) @ bias
 
@@ -155,12 +160,13 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     library.kiln_int4_mm_isa.restype = ctypes.c_int
     library.kiln_int4_mm.restype = None
     flag = ctypes.c_int
-    library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, i64, i64, i64, ptr, flag, flag, flag]
-    library.kiln_int4_mm_cast.argtypes = [flag, ptr, i64, i64, ptr, ptr, i64, i64, i64, flag, ptr,
-                                          flag, flag]  # fmt: skip
+    library.kiln_int4_mm.argtypes = [ptr, i64, i64, ptr, ptr, flag, i64, i64, i64, ptr, flag, flag,
+                                     flag]  # fmt: skip
+    library.kiln_int4_mm_cast.argtypes = [flag, ptr, i64, i64, ptr, ptr, flag, i64, i64, i64, flag,
+                                          ptr, flag, flag]  # fmt: skip
     library.kiln_int4_mm_int8_rows.restype = flag
     library.kiln_int4_dequantize_t.restype = None
-    library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, i64, i64, i64, i64, flag, ptr, flag]
+    library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, flag, i64, i64, i64, i64, flag, ptr, flag]
     int8_rows = library.kiln_int4_mm_int8_rows() == 1
     return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_rows)
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.cpu_int4_layout import cpu_dequantize_t
+from kiln.layers.cpu_int4_layout import cpu_dequantize_t, pairs_table
 from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
 from kiln.layers.packed import Int4Codes, QuantizedTensor, cat_rows, int4_matmul, pack_plane
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
@@ -62,7 +62,12 @@ def nibble_dequantize(pairs: torch.Tensor, scales_zeros: torch.Tensor, group_siz
 
 
 def _pack(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return pack_plane(plane, device) if device.type == "cpu" else nibble_plane(plane, device)
+    """One expert's plane. On the CPU its table keeps (scale, zero) pairs even where every zero
+    is 0: the stacks take the first expert's shape, and an expert after it may have zeros."""
+    if device.type != "cpu":
+        return nibble_plane(plane, device)
+    packed, scales_zeros = pack_plane(plane, device)
+    return packed, pairs_table(scales_zeros)
 
 
 class PackedExperts(nn.Module):

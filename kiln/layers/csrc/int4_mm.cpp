@@ -5,7 +5,9 @@
 // with AVX2), byte j of a block's column k holding row j's code in its low nibble and row
 // j + B / 2's in its high one; beside it a [K / G, N, 2] bfloat16 table of (scale, zero) per
 // group of G columns, w = (code - 8) * scale + zero. So no second copy of the weight exists:
-// this kernel and aten's read the same bytes.
+// this kernel and aten's read the same bytes. Where every zero is 0 (GGUF's Q4_0, symmetric
+// GPTQ and AutoRound, Q8_0's high plane) the table may be [K / G, N, 1], the scales alone
+// (`terms` 1): a one-row step streams 4.5 bits a weight instead of 5.
 //
 // Why a kernel of kiln's own: aten's takes bfloat16 rows only (a float32 model's rows go in
 // twice, split in two), and on AVX2 machines it streams the weight at a few GB/s. Here a column
@@ -47,16 +49,16 @@ inline void prefetch(const void* p) {
 #endif
 }
 
-// The (scale, zero) pairs of group g for the `width` outputs after n0's block: 4 bytes each.
-inline void prefetch_next_scales(const uint16_t* scales_zeros, int64_t g, int64_t n, int64_t n0,
-                                 int64_t width) {
-  const char* next = reinterpret_cast<const char*>(scales_zeros + (g * n + n0 + width) * 2);
-  for (int64_t line = 0; line < width * 4; line += 64) prefetch(next + line);
+// The table entries of group g for the `width` outputs after n0's block: 2 bytes a term.
+inline void prefetch_next_scales(const uint16_t* scales_zeros, int64_t terms, int64_t g,
+                                 int64_t n, int64_t n0, int64_t width) {
+  const char* next = reinterpret_cast<const char*>(scales_zeros + (g * n + n0 + width) * terms);
+  for (int64_t line = 0; line < width * 2 * terms; line += 64) prefetch(next + line);
 }
 
 // The vector layer: W float32 lanes; codes(p) widens W bytes to W int32 lanes; scale_zero
 // reads W (scale, zero) bfloat16 pairs, which are 32-bit lanes: the scale is a lane's low half
-// moved up, the zero its high half.
+// moved up, the zero its high half; scale_only reads W bfloat16 scales.
 #if defined(__AVX512F__)
 #define KILN_SIMD 1
 constexpr int64_t W = 16;
@@ -77,6 +79,10 @@ inline void scale_zero(const uint16_t* p, vf* scale, vf* zero) {
   const vi v = _mm512_loadu_si512(p);
   *scale = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
   *zero = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32(int32_t(0xffff0000u))));
+}
+inline vf scale_only(const uint16_t* p) {
+  const vi v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 #define KILN_SIMD 1
@@ -99,13 +105,33 @@ inline void scale_zero(const uint16_t* p, vf* scale, vf* zero) {
   *scale = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
   *zero = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(int32_t(0xffff0000u))));
 }
+inline vf scale_only(const uint16_t* p) {
+  const vi v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+#endif
+
+#ifdef KILN_SIMD
+// W outputs' scale and bias (zero - 8 scale) from a table of TERMS bf16 values an output
+template <int TERMS>
+inline void scale_bias(const uint16_t* table, vf* scale, vf* bias) {
+  if constexpr (TERMS == 2) {
+    vf zero;
+    scale_zero(table, scale, &zero);
+    *bias = vfmadd(vset(-8.0f), *scale, zero);
+  } else {
+    *scale = scale_only(table);
+    *bias = vfmadd(vset(-8.0f), *scale, vzero());
+  }
+}
 #endif
 
 struct Problem {
   const float* x;  // [rows, k]
   int64_t rows, k;
   const uint8_t* packed;
-  const uint16_t* scales_zeros;  // [k / group, n, 2]
+  const uint16_t* scales_zeros;  // [k / group, n, terms]
+  int64_t terms;                 // 2: (scale, zero); 1: the scale alone, zero 0
   int64_t n, block, group;
   const float* sums;  // [rows, k / group]: each row's sum over each group
   float* out;         // [rows, n]
@@ -114,14 +140,14 @@ struct Problem {
 #ifdef KILN_SIMD
 // Rows m0 .. m0 + R of one block of B = V * W output rows: per group, V accumulators per row
 // over the group's columns, then folded into `out` with the group's scales and zeros.
-template <int V, int R>
+template <int V, int R, int TERMS>
 void block_rows(const Problem& p, int64_t block, int64_t m0) {
   constexpr int HALF = V / 2;  // code vectors per column in each nibble
   const int64_t n0 = block * V * W, groups = p.k / p.group;
   const uint8_t* column = p.packed + block * p.k * (V * W / 2);
   constexpr int64_t COLUMN = V * W / 2;  // bytes of codes per column
   for (int64_t g = 0; g < groups; ++g) {
-    prefetch_next_scales(p.scales_zeros, g, p.n, n0, V * W);
+    prefetch_next_scales(p.scales_zeros, TERMS, g, p.n, n0, V * W);
     vf acc[R][V];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < V; ++j) acc[r][j] = vzero();
@@ -140,9 +166,8 @@ void block_rows(const Problem& p, int64_t block, int64_t m0) {
       }
     }
     for (int j = 0; j < V; ++j) {
-      vf scale, zero;
-      scale_zero(p.scales_zeros + (g * p.n + n0 + j * W) * 2, &scale, &zero);
-      const vf bias = vfmadd(vset(-8.0f), scale, zero);
+      vf scale, bias;
+      scale_bias<TERMS>(p.scales_zeros + (g * p.n + n0 + j * W) * TERMS, &scale, &bias);
       for (int r = 0; r < R; ++r) {
         float* o = p.out + (m0 + r) * p.n + n0 + j * W;
         const vf folded = vfmadd(bias, vset(p.sums[(m0 + r) * groups + g]), vload(o));
@@ -159,21 +184,26 @@ constexpr int rows_at_once() {
   return fit < 1 ? 1 : (fit > 4 ? 4 : fit);
 }
 
-template <int V>
+template <int V, int TERMS>
 void block_all_rows(const Problem& p, int64_t block) {
   constexpr int R = rows_at_once<V>();
   int64_t m = 0;
-  for (; m + R <= p.rows; m += R) block_rows<V, R>(p, block, m);
-  for (; m < p.rows; ++m) block_rows<V, 1>(p, block, m);
+  for (; m + R <= p.rows; m += R) block_rows<V, R, TERMS>(p, block, m);
+  for (; m < p.rows; ++m) block_rows<V, 1, TERMS>(p, block, m);
+}
+
+template <int TERMS>
+bool run_block_terms(const Problem& p, int64_t block) {
+  switch (p.block / W) {
+    case 2: block_all_rows<2, TERMS>(p, block); return true;
+    case 4: block_all_rows<4, TERMS>(p, block); return true;
+    case 8: block_all_rows<8, TERMS>(p, block); return true;
+    default: return false;
+  }
 }
 
 bool run_block(const Problem& p, int64_t block) {
-  switch (p.block / W) {
-    case 2: block_all_rows<2>(p, block); return true;
-    case 4: block_all_rows<4>(p, block); return true;
-    case 8: block_all_rows<8>(p, block); return true;
-    default: return false;
-  }
+  return p.terms == 1 ? run_block_terms<1>(p, block) : run_block_terms<2>(p, block);
 }
 #else
 bool run_block(const Problem&, int64_t) { return false; }
@@ -201,6 +231,7 @@ struct Int8Problem {
   int64_t rows, k;
   const uint8_t* packed;
   const uint16_t* scales_zeros;
+  int64_t terms;
   int64_t n, group;
   float* out;
 };
@@ -216,14 +247,14 @@ inline __m512i quad_index(int r0) {
 }
 
 // Rows m0 .. m0 + R of block `block`: acc[r][j] holds outputs n0 + 16 j .. + 16 of row r.
-template <int R, int P>
+template <int R, int P, int TERMS>
 void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
   const int64_t n0 = block * 64, groups = p.k / p.group, chunks = p.k / CHUNK;
   const uint8_t* column = p.packed + block * p.k * 32;
   const __m512i idx0 = quad_index(0), idx1 = quad_index(16);
   const __m512i low = _mm512_set1_epi8(0x0f), high = _mm512_set1_epi8(int8_t(0xf0));
   for (int64_t g = 0; g < groups; ++g) {
-    prefetch_next_scales(p.scales_zeros, g, p.n, n0, 64);
+    prefetch_next_scales(p.scales_zeros, TERMS, g, p.n, n0, 64);
     __m512 facc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
@@ -263,9 +294,8 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
       }
     }
     for (int j = 0; j < 4; ++j) {
-      vf scale, zero;
-      scale_zero(p.scales_zeros + (g * p.n + n0 + j * 16) * 2, &scale, &zero);
-      const vf bias = vfmadd(vset(-8.0f), scale, zero);
+      vf scale, bias;
+      scale_bias<TERMS>(p.scales_zeros + (g * p.n + n0 + j * 16) * TERMS, &scale, &bias);
       for (int r = 0; r < R; ++r) {
         float* o = p.out + (m0 + r) * p.n + n0 + j * 16;
         const vf folded = vfmadd(bias, vset(p.sums[(m0 + r) * groups + g]), vload(o));
@@ -275,11 +305,19 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
   }
 }
 
-template <int P>
+template <int P, int TERMS>
 void block_all_rows_int8(const Int8Problem& p, int64_t block) {
   int64_t m = 0;
-  for (; m + 2 <= p.rows; m += 2) block_rows_int8<2, P>(p, block, m);
-  for (; m < p.rows; ++m) block_rows_int8<1, P>(p, block, m);
+  for (; m + 2 <= p.rows; m += 2) block_rows_int8<2, P, TERMS>(p, block, m);
+  for (; m < p.rows; ++m) block_rows_int8<1, P, TERMS>(p, block, m);
+}
+
+template <int P>
+void block_all_rows_int8(const Int8Problem& p, int64_t block) {
+  if (p.terms == 1)
+    block_all_rows_int8<P, 1>(p, block);
+  else
+    block_all_rows_int8<P, 2>(p, block);
 }
 
 // Each row's chunks of 32 columns as int8 codes and a float32 scale (round to nearest); with
@@ -324,8 +362,8 @@ void run_block_portable(const Problem& p, int64_t block) {
         }
       }
       for (int64_t j = 0; j < p.block; ++j) {
-        const uint16_t* sz = p.scales_zeros + (g * p.n + n0 + j) * 2;
-        const float scale = bf16_to_float(sz[0]), zero = bf16_to_float(sz[1]);
+        const uint16_t* sz = p.scales_zeros + (g * p.n + n0 + j) * p.terms;
+        const float scale = bf16_to_float(sz[0]), zero = p.terms == 2 ? bf16_to_float(sz[1]) : 0.0f;
         p.out[m * p.n + n0 + j] += acc[j] * scale + (zero - 8.0f * scale) * p.sums[m * groups + g];
       }
     }
@@ -352,12 +390,14 @@ inline void store(T* p, float x) {
 }
 
 // A block's 64-output slice of a group as cpu_dequantize_t scales it: scale, and the bias
-// zero - 8 * scale as T holds it
+// zero - 8 * scale as T holds it (`terms` bf16 values an output: scale and zero, or the scale)
 template <typename T>
-inline void group_terms(const uint16_t* pairs, int64_t block, float* scale, float* bias) {
+inline void group_terms(const uint16_t* table, int64_t terms, int64_t block, float* scale,
+                        float* bias) {
   for (int64_t j = 0; j < block; ++j) {
-    scale[j] = bf16_to_float(pairs[2 * j]);
-    bias[j] = as_stored<T>(bf16_to_float(pairs[2 * j + 1]) - as_stored<T>(8.0f * scale[j]));
+    scale[j] = bf16_to_float(table[terms * j]);
+    const float zero = terms == 2 ? bf16_to_float(table[2 * j + 1]) : 0.0f;
+    bias[j] = as_stored<T>(zero - as_stored<T>(8.0f * scale[j]));
   }
 }
 
@@ -396,14 +436,14 @@ inline void dequantize_column(const uint8_t* bytes, const float* scale, const fl
 // 0.4 GB/s written on the AMX Xeon, most of a packed prefill chunk's linear time). A work item
 // is one group of one block: its scales and biases once, then its `group` columns.
 template <typename T>
-void dequantize_t(const uint8_t* packed, const uint16_t* scales_zeros, int64_t n, int64_t k,
-                  int64_t block, int64_t group, T* out, int threads) {
+void dequantize_t(const uint8_t* packed, const uint16_t* scales_zeros, int64_t terms, int64_t n,
+                  int64_t k, int64_t block, int64_t group, T* out, int threads) {
   const int64_t half = block / 2, blocks = n / block, groups = k / group;
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t item = 0; item < groups * blocks; ++item) {
     const int64_t g = item / blocks, b = item % blocks;
     float scale[64], bias[64];
-    group_terms<T>(scales_zeros + (g * n + b * block) * 2, block, scale, bias);
+    group_terms<T>(scales_zeros + (g * n + b * block) * terms, terms, block, scale, bias);
     for (int64_t kk = g * group; kk < (g + 1) * group; ++kk)
       dequantize_column(packed + (b * k + kk) * half, scale, bias, half, out + kk * n + b * block);
   }
@@ -434,12 +474,13 @@ int kiln_int4_mm_int8_rows() {
 }
 
 // out [rows, n] float32 = x [rows, k] float32 times the packed weight (n a multiple of block,
-// k of group); added to what out holds when accumulate is set (a second plane of Q8_0). With
+// k of group; `terms` 2 or 1 bf16 values an output and group in the table); added to what out
+// holds when accumulate is set (a second plane of Q8_0). With
 // int8_planes 1 or 2, the rows go in as one or two int8 planes per 32 columns (8 or 16 bits of
 // each value) where this build has that path and block is 64; else (and with 0) as float32.
 void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
-                  const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
-                  float* out, int accumulate, int threads, int int8_planes) {
+                  const uint16_t* scales_zeros, int terms, int64_t n, int64_t block,
+                  int64_t group, float* out, int accumulate, int threads, int int8_planes) {
   const int64_t groups = k / group;
   std::vector<float> sums(rows * groups, 0.0f);
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
@@ -452,7 +493,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
     std::vector<float> xscale(rows * (k / CHUNK));
     quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data(), threads);
     const Int8Problem q{xq.data(), xscale.data(), sums.data(), rows, k, packed, scales_zeros,
-                        n, group, out};
+                        terms, n, group, out};
     if (int8_planes == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
       for (int64_t b = 0; b < n / block; ++b) block_all_rows_int8<1>(q, b);
@@ -465,7 +506,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
 #else
   (void)int8_planes;
 #endif
-  const Problem p{x, rows, k, packed, scales_zeros, n, block, group, sums.data(), out};
+  const Problem p{x, rows, k, packed, scales_zeros, terms, n, block, group, sums.data(), out};
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int64_t b = 0; b < n / block; ++b) {
     if (!run_block(p, b)) run_block_portable(p, b);
@@ -476,8 +517,8 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
 // widened here, a bf16 output rounded once (to nearest even) from the float32 sums, as the
 // caller's own conversions did, which cost more than the kernel's arithmetic at one row.
 void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* packed,
-                       const uint16_t* scales_zeros, int64_t n, int64_t block, int64_t group,
-                       int out_dtype, void* out, int threads, int int8_planes) {
+                       const uint16_t* scales_zeros, int terms, int64_t n, int64_t block,
+                       int64_t group, int out_dtype, void* out, int threads, int int8_planes) {
   std::vector<float> xf, yf;
   const float* xs = static_cast<const float*>(x);
   if (x_dtype == 1) {
@@ -491,7 +532,8 @@ void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, cons
     yf.resize(rows * n);
     ys = yf.data();
   }
-  kiln_int4_mm(xs, rows, k, packed, scales_zeros, n, block, group, ys, 0, threads, int8_planes);
+  kiln_int4_mm(xs, rows, k, packed, scales_zeros, terms, n, block, group, ys, 0, threads,
+               int8_planes);
   if (out_dtype == 1) {
     uint16_t* yb = static_cast<uint16_t*>(out);
     for (int64_t i = 0; i < rows * n; ++i) yb[i] = kiln_bf16::float_to_bf16(ys[i]);
@@ -500,13 +542,15 @@ void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, cons
 
 // W^T [k, n] (out_dtype 0 float32, 1 bf16) from the packed weight, as cpu_dequantize_t makes
 // it: the large-batch path's weight, for one dense matmul
-void kiln_int4_dequantize_t(const uint8_t* packed, const uint16_t* scales_zeros, int64_t n,
-                            int64_t k, int64_t block, int64_t group, int out_dtype, void* out,
-                            int threads) {
+void kiln_int4_dequantize_t(const uint8_t* packed, const uint16_t* scales_zeros, int terms,
+                            int64_t n, int64_t k, int64_t block, int64_t group, int out_dtype,
+                            void* out, int threads) {
   if (out_dtype == 1)
-    dequantize_t(packed, scales_zeros, n, k, block, group, static_cast<uint16_t*>(out), threads);
+    dequantize_t(packed, scales_zeros, terms, n, k, block, group, static_cast<uint16_t*>(out),
+                 threads);
   else
-    dequantize_t(packed, scales_zeros, n, k, block, group, static_cast<float*>(out), threads);
+    dequantize_t(packed, scales_zeros, terms, n, k, block, group, static_cast<float*>(out),
+                 threads);
 }
 
 }  // extern "C"
