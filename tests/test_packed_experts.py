@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from kiln.layers.moe import FusedExperts
+from kiln.layers.packed import Int4Codes, QuantizedTensor
 from kiln.layers.packed_experts import (
     PackedExperts,
     nibble_dequantize,
@@ -96,6 +97,9 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks kept
     assert isinstance(experts.packed["down_proj"], PackedExperts)
     assert experts.packed["down_proj"].num_planes == (2 if kind == "Q8_0" else 1)
+    # Q4_0's zeros and Q8_0's high plane's are all 0: their tables keep the scales alone
+    widths = [sz.shape[-1] for sz in experts.packed["down_proj"].planes()[1]]
+    assert widths == {"Q4_0": [1], "Q4_K": [2], "Q8_0": [1, 2]}[kind]
     x, ids, weights = _routing(tokens)
     y = experts(x.to(dtype), ids, weights.to(dtype))
     assert y.shape == x.shape and y.dtype == dtype
@@ -104,6 +108,31 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     # bf16 ulps of the output's magnitude; a wrong code order or expert is off by the magnitude
     tol = (8 if dtype == torch.float32 else 16) * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+def test_a_stack_of_scales_alone_widens_when_an_expert_with_zeros_arrives():
+    """The first expert's planes have no zeros, so its stacks start as scales alone; the next
+    expert's have zeros, and the stacks widen to pairs without losing the first expert's."""
+    g = torch.Generator().manual_seed(4)
+    with CPU:
+        experts = FusedExperts(E, H, I)
+    gate_up, down = torch.empty(E, 2 * I, H), torch.empty(E, H, I)
+    for e in range(E):
+        for proj, (n, k), rows in (("gate_proj", (I, H), gate_up[e, :I]),
+                                   ("up_proj", (I, H), gate_up[e, I:]),
+                                   ("down_proj", (H, I), down[e])):  # fmt: skip
+            codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=g)
+            scale = torch.rand(n, k // 32, generator=g) * 0.1
+            zero = torch.randn(n, k // 32, generator=g) * 0.1 * (e > 0)
+            t = QuantizedTensor("test", [Int4Codes(codes, scale, zero, 32)])
+            rows.copy_(t.dequantize())
+            experts.load_quantized(e, proj, t)
+    experts.finalize(CPU)
+    assert [s.shape[-1] for s in experts.packed["down_proj"].planes()[1]] == [2]
+    x, ids, weights = _routing(5)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
 
 
 def test_experts_of_different_formats_stay_dense_and_say_why():

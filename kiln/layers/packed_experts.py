@@ -62,18 +62,14 @@ def nibble_dequantize(pairs: torch.Tensor, scales_zeros: torch.Tensor, group_siz
 
 
 def _pack(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """One expert's plane. On the CPU its table keeps (scale, zero) pairs even where every zero
-    is 0: the stacks take the first expert's shape, and an expert after it may have zeros."""
-    if device.type != "cpu":
-        return nibble_plane(plane, device)
-    packed, scales_zeros = pack_plane(plane, device)
-    return packed, pairs_table(scales_zeros)
+    return pack_plane(plane, device) if device.type == "cpu" else nibble_plane(plane, device)
 
 
 class PackedExperts(nn.Module):
     """One projection of every expert: buffers `packed{i}` [experts, ...] and
     `scales_zeros{i}` [experts, K/G, N (padded on the CPU), 2] per plane i (two for Q8_0), in
-    the CPU kernel's layout or, on CUDA, `nibble_plane`'s."""
+    the CPU kernel's layout or, on CUDA, `nibble_plane`'s; on the CPU [..., 1], the scales
+    alone, where every expert's zeros are 0."""
 
     def __init__(self, stacks: list[tuple[torch.Tensor, torch.Tensor]], kind: str,
                  group_size: int, shape: tuple[int, int]) -> None:  # fmt: skip
@@ -146,9 +142,22 @@ class ExpertPacker:
                 self.stacks.append(tuple(  # type: ignore[arg-type]
                     x.new_empty(self.num_experts, *x.shape) for x in (packed, scales_zeros)
                 ))  # fmt: skip
+            scales_zeros = self._table_for_stack(i, scales_zeros)
             self.stacks[i][0][expert].copy_(packed)
             self.stacks[i][1][expert].copy_(scales_zeros)
         self.filled.add(expert)
+
+    def _table_for_stack(self, i: int, table: torch.Tensor) -> torch.Tensor:
+        """`table` as wide as stack i's: a stack of scales alone (every expert so far without
+        zeros) is widened to pairs, once, when an expert with zeros arrives (copy_ would
+        broadcast a scale into the zeros' place)."""
+        stack = self.stacks[i][1]
+        if stack.shape[-1] == table.shape[-1]:
+            return table
+        if stack.shape[-1] == 1:
+            self.stacks[i] = (self.stacks[i][0], pairs_table(stack))
+            return table
+        return pairs_table(table)
 
     def _reason(self, parts: list[QuantizedTensor]) -> str | None:
         forms = {(len(p.planes), p.group_size) for p in parts}
