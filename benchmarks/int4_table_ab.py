@@ -6,9 +6,12 @@ Q8_0's high plane) keeps a [K/G, N, 1] table: 4.5 bits a weight for a one-row st
 the pairs make 5. kiln's kernel reads both widths, so this script boots one engine (eager, mode
 0: the compiled graphs would recompile on the widened buffers) and alternates rounds of greedy
 decode with the tables as loaded and widened in place, rotating the order each round.
+`--kernel` times kiln's kernel alone instead: one row through every matrix of a
+Llama-3.2-1B-shaped model (random codes, 772 MB with pairs), from memory, per rows' form.
 
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_0 --out /tmp/l1b.gguf
     python benchmarks/int4_table_ab.py --model /tmp/l1b.gguf --dtype bfloat16 --rounds 4
+    python benchmarks/int4_table_ab.py --kernel --rounds 6
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ from kiln.layers.cpu_int4_layout import pairs_table
 from kiln.layers.packed import PackedInt4
 
 PROMPT = "Write a long story about a lighthouse keeper and her cat."
+# Llama-3.2-1B's matrices, [N, K]: per layer q, k, v, o, gate, up, down; then the tied head
+L1B_SHAPES = [(2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048),
+              (2048, 8192)] * 16 + [(128256, 2048)]  # fmt: skip
 
 
 def scale_only_buffers(model: torch.nn.Module) -> list[tuple[PackedInt4, str, torch.Tensor]]:
@@ -50,13 +56,49 @@ def decode_seconds(llm: LLM, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def kernel_rounds(rounds: int) -> None:
+    """kiln's kernel alone: one row through every 1B matrix, per table width and rows' form."""
+    from kiln.layers.cpu_int4_layout import cpu_block_n
+    from kiln.layers.int4_kernel import int4_matmul_kernel
+
+    kernel, block = int4_matmul_kernel(), cpu_block_n()
+    if kernel is None or block is None:
+        raise SystemExit("kiln's int4 kernel is not built on this machine")
+    g = torch.Generator().manual_seed(0)
+    pairs = []
+    for n, k in L1B_SHAPES:
+        table = (torch.rand(k // 32, n, 2, generator=g) * 0.01).to(torch.bfloat16)
+        table[..., 1] = 0
+        pairs.append((torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), table))
+    weights = {"scales": [(p, t[..., :1].contiguous()) for p, t in pairs], "pairs": pairs}
+    rows = {k: torch.randn(1, k, generator=g) for k in (2048, 8192)}
+    for planes in (2, 1, 0) if kernel.has_int8_rows else (0,):
+        seconds: dict[str, list[float]] = {"scales": [], "pairs": []}
+        for r in range(rounds):
+            for layout in ("scales", "pairs") if r % 2 == 0 else ("pairs", "scales"):
+                t0 = time.perf_counter()
+                for packed, table in weights[layout]:
+                    kernel.matmul(rows[packed.shape[1] * 2], packed, table, 32, block,
+                                  int8_planes=planes)  # fmt: skip
+                seconds[layout].append(time.perf_counter() - t0)
+        ms = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
+        ratio = ms["pairs"] / ms["scales"]
+        print(
+            f"int8 planes {planes}: one row through every matrix: scales alone "
+            f"{ms['scales']:.1f} ms, pairs {ms['pairs']:.1f} ms, pairs / scales {ratio:.3f}x"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a packed model (default: the embedded model)")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--kernel", action="store_true", help="the kernel alone, 1B shapes")
     args = parser.parse_args()
+    if args.kernel:
+        return kernel_rounds(args.rounds)
     llm = LLM(args.model, dtype=args.dtype, compilation_config={"mode": 0})
     tables = scale_only_buffers(llm.engine.runner.model)
     if not tables:
