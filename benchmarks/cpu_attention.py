@@ -23,7 +23,8 @@ from dataclasses import replace
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionShape
-from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
+from kiln.attention.cpu_backend import CpuPagedAttentionBackend
+from kiln.attention.cpu_metadata import CpuAttentionTuning
 from kiln.attention.kv_int8 import quantize
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.boot.host_memory import keep_freed_memory

@@ -17,12 +17,12 @@ import torch
 from torch.profiler import profile
 
 from kiln.attention.backend import AttentionShape
-from kiln.attention.cpu_backend import (
+from kiln.attention.cpu_backend import CpuPagedAttentionBackend
+from kiln.attention.cpu_metadata import (
     GATHERED,
     IN_PLACE,
     OWN_CAUSAL,
     CpuAttentionTuning,
-    CpuPagedAttentionBackend,
     block_runs,
 )
 from kiln.attention.kv_int8 import dequantize, quantize

@@ -11,7 +11,8 @@ import logging
 import torch
 
 from kiln.attention.backend import AttentionBackend, AttentionShape
-from kiln.attention.cpu_backend import CpuAttentionTuning, CpuPagedAttentionBackend
+from kiln.attention.cpu_backend import CpuPagedAttentionBackend
+from kiln.attention.cpu_metadata import CpuAttentionTuning
 from kiln.attention.torch_backend import TorchPagedAttentionBackend
 from kiln.errors import ConfigError
 
