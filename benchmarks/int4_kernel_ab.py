@@ -34,7 +34,10 @@ GROUP = 32
 
 
 def load(source: Path) -> int4_kernel.Int4MatmulKernel:
-    """The kernel built from `source` (the headers beside it)."""
+    """The kernel built from `source` (the headers beside it). A source from before the table's
+    width became an argument (kiln before c6a09a2) cannot be called through today's bindings."""
+    if "int terms" not in source.read_text():
+        raise SystemExit(f"{source}: a kernel without the table-width argument (before c6a09a2)")
     default, int4_kernel.SOURCE = int4_kernel.SOURCE, source
     try:
         return int4_kernel.load_int4_matmul(FLAGS)

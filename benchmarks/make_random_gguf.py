@@ -3,10 +3,15 @@ file of that size is on the machine: kiln and llama.cpp both load it.
 
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_0 --out /tmp/l1b-q4_0.gguf
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K --out /tmp/l1b-q4_k.gguf
+    python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K_M --out /tmp/l1b-km.gguf
     python benchmarks/make_random_gguf.py --shape qwen3-0.6b --type Q4_0 --out /tmp/q3.gguf \
         --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
     python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_0 \
         --out /tmp/moe.gguf   # 4 of Qwen3-30B-A3B's mixture-of-experts layers (qwen3moe)
+
+`Q4_K_M` mixes types as llama.cpp's Q4_K_M recipe does: Q6_K for the tied embedding (the head),
+and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last eighth,
+every third between), Q4_K for the rest.
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
 a standard deviation near 0.02 and the activations stay finite; norms are ones. The embedding rows
@@ -61,6 +66,34 @@ def _q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
         field = np.full((n, k // 256), value, dtype=np.float16)
         blocks[..., at : at + 2] = field.view(np.uint8).reshape(n, k // 256, 2)
     return blocks.reshape(n, -1)
+
+
+def _q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
+    blocks[..., 192:208] = 64  # the int8 scales per 16 columns
+    d = np.full((n, k // 256), TARGET_STD / (18.5 * 64), dtype=np.float16)  # std of q - 32: 18.5
+    blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
+MAKERS = {"Q4_0": _q4_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+
+
+def _more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's use_more_bits: the layers whose attn_v and ffn_down Q4_K_M writes in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def _kind_of(kind: str, name: str, layers: int) -> str:
+    """The type `name` gets in a file of `kind` (Q4_K_M: llama.cpp's mix)."""
+    if kind != "Q4_K_M":
+        return kind
+    if name == "token_embd.weight":
+        return "Q6_K"
+    parts = name.split(".")
+    if parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), layers):
+        return "Q6_K"
+    return "Q4_K"
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> list[int]:
@@ -122,7 +155,8 @@ def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
 
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
-    make = {"Q4_0": _q4_0, "Q4_K": _q4_k}[kind]
+    base = "Q4_K" if kind == "Q4_K_M" else kind  # the experts' type (Q4_K_M: Q4_K)
+    make = MAKERS[base]
     w = gguf.GGUFWriter(out, s.get("arch", "llama"))
     w.add_name(f"random {shape} {kind}")
     _metadata(w, s)
@@ -130,20 +164,22 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     hidden, q_dim, kv_dim = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
 
     def matrix(name: str, n: int, k: int) -> None:
-        w.add_tensor(name, make(rng, n, k), raw_dtype=T[kind])
+        of = _kind_of(kind, name, s["layers"])
+        w.add_tensor(name, MAKERS[of](rng, n, k), raw_dtype=T[of])
 
     # the tied head's rows of control tokens (end of text, end of turn) are zeros: their logit
     # is 0 while the noise's largest is far above, so no engine stops early on a random EOS
-    embedding = make(rng, s["vocab"], hidden)
+    head = _kind_of(kind, "token_embd.weight", s["layers"])
+    embedding = MAKERS[head](rng, s["vocab"], hidden)
     embedding[control] = 0
-    w.add_tensor("token_embd.weight", embedding, raw_dtype=T[kind])
+    w.add_tensor("token_embd.weight", embedding, raw_dtype=T[head])
     w.add_tensor("output_norm.weight", np.ones(hidden, dtype=np.float32))
     for i in range(s["layers"]):
         for name, n, k in (("attn_q", q_dim, hidden), ("attn_k", kv_dim, hidden),
                            ("attn_v", kv_dim, hidden), ("attn_output", hidden, q_dim)):  # fmt: skip
             matrix(f"blk.{i}.{name}.weight", n, k)
         if s.get("experts"):
-            _experts(w, rng, make, kind, i, s)
+            _experts(w, rng, make, base, i, s)
         else:
             for name, n, k in (("ffn_gate", s["intermediate"], hidden),
                                ("ffn_up", s["intermediate"], hidden),
@@ -186,7 +222,7 @@ def write_hf_directory(gguf_path: str, out_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--type", choices=["Q4_0", "Q4_K"], default="Q4_0")
+    parser.add_argument("--type", choices=["Q4_0", "Q4_K", "Q4_K_M"], default="Q4_0")
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-dir", help="also write the weights as an HF directory here")
     args = parser.parse_args()

@@ -53,7 +53,7 @@ def linear_calls(n: int, k: int, planes: int) -> dict[str, Callable[[], object]]
         ptrs = (x.data_ptr(), packed.data_ptr(), scales_zeros.data_ptr(), out.data_ptr())
         # the tensors stay referenced: the pointers alone would outlive them
         calls["C kernel"] = lambda held=(x, packed, scales_zeros, out): lib.kiln_int4_mm_cast(
-            bf16, ptrs[0], 1, k, ptrs[1], ptrs[2], n, 64, 32, bf16, ptrs[3],
+            bf16, ptrs[0], 1, k, ptrs[1], ptrs[2], scales_zeros.shape[2], n, 64, 32, bf16, ptrs[3],
             torch.get_num_threads(), planes,
         )  # fmt: skip
     return calls

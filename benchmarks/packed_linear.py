@@ -25,7 +25,7 @@ import time
 
 import torch
 
-from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_dequantize_t
+from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_dequantize_t, pairs_table
 from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
 from kiln.layers.packed import Int4Codes, PackedInt4, QuantizedTensor, split_float32
@@ -80,7 +80,7 @@ def measure(n: int, k: int, rows: int, iters: int, from_memory: bool = False) ->
     x32 = torch.randn(rows, k)
     x16 = x32.bfloat16()
     p16, p32 = prepack_for_cpu(dense.bfloat16()), prepack_for_cpu(dense)
-    sz = one.scales_zeros0
+    sz = pairs_table(one.scales_zeros0)  # aten's kernel takes (scale, zero) pairs
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     its = max(3, iters // max(1, rows // 16)) if n < 10000 else max(3, iters // 10)
 

@@ -222,6 +222,37 @@ def _fused(tensors):
             yield f"blk.{layer}.{group}.{leaf}", np.concatenate([held.pop(n) for n in parts], axis)
 
 
+def quantize(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
+    """float32 [N, K] as GGUF blocks of `kind`: the gguf package's quantizer, and for Q6_K (which
+    it lacks) `quantize_q6_k`."""
+    return quantize_q6_k(data) if kind == T.Q6_K else gguf.quants.quantize(data, kind)
+
+
+def quantize_q6_k(data: np.ndarray) -> np.ndarray:
+    """float32 [N, K] (K a multiple of 256) as Q6_K blocks [N, K / 256 * 210], written from the
+    format as llama.cpp's dequantizer reads it: per 256 columns 128 bytes of low nibbles, 64 of
+    2-bit highs, 16 int8 scales (one per 16 columns) and d (fp16); w = d sc (q - 32). Each 16
+    columns' scale is their largest magnitude / 31, stored as d times an int8 (round to
+    nearest, not llama.cpp's search for the best scale: any valid block serves a test)."""
+    n, k = data.shape
+    x = data.reshape(n, k // 256, 16, 16).astype(np.float32)
+    sub = np.abs(x).max(-1) / 31  # [n, b, 16]
+    d = (np.abs(sub).max(-1, keepdims=True) / 127).astype(np.float16)  # [n, b, 1]
+    df = d.astype(np.float32)
+    sc = np.where(df > 0, np.round(sub / np.where(df > 0, df, 1)), 0).clip(-128, 127)
+    step = (df * sc)[..., None]  # [n, b, 16, 1]
+    q = np.where(step != 0, np.round(x / np.where(step != 0, step, 1)), 0).clip(-32, 31) + 32
+    q = q.astype(np.uint8).reshape(n, k // 256, 2, 128)  # two halves of 128 columns
+    lo, hi = q & 15, q >> 4
+    ql = np.concatenate(
+        [lo[..., :32] | lo[..., 64:96] << 4, lo[..., 32:64] | lo[..., 96:] << 4], -1
+    )
+    qh = hi[..., :32] | hi[..., 32:64] << 2 | hi[..., 64:96] << 4 | hi[..., 96:] << 6
+    blocks = np.concatenate([ql.reshape(n, k // 256, 128), qh.reshape(n, k // 256, 64),
+                             sc.astype(np.int8).view(np.uint8), d.view(np.uint8)], -1)  # fmt: skip
+    return blocks.reshape(n, -1)
+
+
 def write_gguf(
     path, hf_model, kind_of: Callable[[str], gguf.GGMLQuantizationType], arch: str = "llama",
     mtp: dict | None = None, fuse: bool = False,
@@ -254,7 +285,7 @@ def write_gguf(
     for name, data in _fused(tensors) if fuse else tensors:
         # llama.cpp keeps norms, the convolution and the routers in float32
         kind = kind_of(name) if data.ndim >= 2 and "ssm_conv1d" not in name else T.F32
-        q = data if kind == T.F32 else gguf.quants.quantize(data, kind)
+        q = data if kind == T.F32 else quantize(data, kind)
         w.add_tensor(name if name.startswith("blk.") else _gguf_name(name), q, raw_dtype=kind)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -44,6 +44,7 @@ class Int4MatmulKernel:
         columns (8 or 16 bits of each value) where this build has that path and `block_n` is 64
         (else, and with 0, as float32)."""
         r, k = rows.shape
+        _table_width(scales_zeros)
         n = scales_zeros.shape[1]
         accumulate = out is not None
         if out is None:
@@ -63,6 +64,7 @@ class Int4MatmulKernel:
         `dtype` (float32 or bf16, rounded once): one call where a decode step's linear made
         three (the rows widened, the product, its rounding)."""
         r, k = rows.shape
+        _table_width(scales_zeros)
         out = torch.empty(r, scales_zeros.shape[1], dtype=dtype)
         self.library.kiln_int4_mm_cast(
             CAST_DTYPES[rows.dtype], rows.data_ptr(), r, k, packed.data_ptr(),
@@ -78,6 +80,7 @@ class Int4MatmulKernel:
     ) -> torch.Tensor:  # fmt: skip
         """W^T [K, N] in `dtype` (float32 or bf16), bit for bit what `cpu_dequantize_t` makes
         with PyTorch's ops, about 8x faster: the weight of the large-batch path's dense matmul."""
+        _table_width(scales_zeros)
         k, n = packed.shape[1] * 2, scales_zeros.shape[1]
         out = torch.empty(k, n, dtype=dtype)
         self.library.kiln_int4_dequantize_t(
@@ -89,6 +92,16 @@ class Int4MatmulKernel:
 
 
 CAST_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # matmul_as's rows and outputs
+
+
+def _table_width(table: torch.Tensor) -> int:
+    """The table's values an output and group (1 or 2), checked: the kernel reads it as a
+    contiguous [K/G, N, width] array of bf16."""
+    if table.dim() != 3 or table.shape[2] not in (1, 2) or table.dtype != torch.bfloat16:
+        raise ValueError(f"a [K/G, N, 1 or 2] bf16 table, not {tuple(table.shape)} {table.dtype}")
+    if not table.is_contiguous():
+        raise ValueError("the table must be contiguous")
+    return table.shape[2]
 
 
 @functools.cache
