@@ -42,37 +42,21 @@ def _q4_k_blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def _q6_k_blocks(n: int, k: int, seed: int = 0) -> np.ndarray:
-    """Random Q6_K rows (the gguf package has no Q6_K quantizer): random code bytes and int8
-    scales (negative ones too), d a small positive fp16 at the block's end."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (n, k // 256)).astype(np.float16)
-    blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return blocks.reshape(n, -1)
-
-
-RANDOM_BLOCKS = {"Q4_K": _q4_k_blocks, "Q6_K": _q6_k_blocks}
-
-
 def _gguf_tensor(kind: str, n: int, k: int) -> tuple[np.ndarray, QuantizedTensor]:
     """(the gguf package's dequantized values, kiln's planes) of one random matrix."""
-    if kind in RANDOM_BLOCKS:
-        data = RANDOM_BLOCKS[kind](n, k)
-    else:
-        data = gguf.quants.quantize(_weights(n, k), T[kind])
+    data = _q4_k_blocks(n, k) if kind == "Q4_K" else gguf.quants.quantize(_weights(n, k), T[kind])
     return gguf.quants.dequantize(data, T[kind]), gguf_codes(kind, data, (n, k))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 def test_gguf_blocks_read_exactly(kind):
     ref, planes = _gguf_tensor(kind, 64, 512)
-    assert len(planes.planes) == (2 if kind in ("Q8_0", "Q6_K") else 1)
+    assert len(planes.planes) == (2 if kind == "Q8_0" else 1)
     assert all(int(p.codes.max()) <= 15 for p in planes.planes)
     np.testing.assert_array_equal(planes.dequantize().numpy(), ref)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("rows", [1, 5, DEQUANT_MIN_ROWS + 44])  # bf16: the kernel, then dequant
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [192, 100])  # 100: rows padded to the kernel's block of 64
@@ -91,21 +75,20 @@ def test_packed_matmul_matches_dequantized(kind, rows, dtype, n):
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1", "Q8_0"])
 def test_planes_without_zeros_keep_their_scales_alone(kind, monkeypatch):
-    """A plane whose zeros are all 0 (Q4_0, the high plane of Q8_0 and Q6_K) keeps a [K/G, N, 1]
+    """A plane whose zeros are all 0 (Q4_0, Q8_0's high plane) keeps a [K/G, N, 1]
     table on the CPU where kiln's kernel runs it, 10% fewer bytes a weight for a decode step to
-    read; one with zeros (Q4_1, the low planes) keeps the pairs. The product is bit for bit the
-    one over the same planes packed with pairs, on kiln's kernel at 1 and 5 rows, dequantized
-    at 300, and on aten's kernel (or, for Q6_K's groups of 16, the dequantized weight) where
-    kiln's was not built."""
+    read; one with zeros (Q4_1, Q8_0's low plane) keeps the pairs. The product is bit for bit
+    the one over the same planes packed with pairs, on kiln's kernel at 1 and 5 rows,
+    dequantized at 300, and on aten's kernel where kiln's was not built."""
     from kiln.layers import packed as packed_module
     from kiln.layers.int4_kernel import int4_matmul_kernel
 
     _, planes = _gguf_tensor(kind, 192, 512)
     packed = PackedInt4(planes, CPU)
     widths = [sz.shape[-1] for sz in packed.planes()[1]]
-    expected = {"Q4_0": [1], "Q4_1": [2], "Q8_0": [1, 2], "Q6_K": [1, 2]}[kind]
+    expected = {"Q4_0": [1], "Q4_1": [2], "Q8_0": [1, 2]}[kind]
     assert widths == (expected if int4_matmul_kernel() is not None else [2] * len(expected))
     with monkeypatch.context() as patch:  # the same planes packed with pairs, as before
         patch.setattr(packed_module, "scale_only_table", lambda table: table)
@@ -117,21 +100,6 @@ def test_planes_without_zeros_keep_their_scales_alone(kind, monkeypatch):
     monkeypatch.setattr(packed_module, "int4_matmul_kernel", lambda: None)
     for rows in (1, 300):
         assert torch.equal(packed(x[:rows]), pairs(x[:rows]))
-
-
-def test_groups_of_16_run_on_kilns_cpu_kernel_only():
-    """Q6_K's groups of 16 stay packed on the CPU (kiln's kernel, or the dequantized weight
-    where it was not built) and are dequantized on CUDA, whose int4 kernels take 32 and up;
-    the same for packed experts (their CUDA kernel is tested with 32 and up)."""
-    from kiln.layers.packed import unpackable_reason
-    from kiln.layers.packed_experts import unpackable_reason as experts_unpackable_reason
-
-    _, planes = _gguf_tensor("Q6_K", 64, 256)
-    assert planes.group_size == 16
-    assert unpackable_reason(planes, CPU) is None
-    assert "group size 16" in unpackable_reason(planes, torch.device("cuda"))
-    assert experts_unpackable_reason(planes, CPU) is None
-    assert "group size 16" in experts_unpackable_reason(planes, torch.device("cuda"))
 
 
 @pytest.mark.parametrize("n", [64, 192])
@@ -188,7 +156,7 @@ def test_int8_rows_take_the_kernel_below_the_dequant_switch(planes):
     assert torch.equal(out, dense[:, : out.shape[1]])
 
 
-@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
 def test_packed_rows_are_the_dequantized_rows(kind):
     ref_w, planes = _gguf_tensor(kind, 200, 256)
     packed = PackedInt4(planes, CPU)
@@ -270,11 +238,12 @@ def _q6_k_mix_kind(name: str):
     return T[next(k for part, k in Q6_K_MIX.items() if part in name)]
 
 
-def test_a_gguf_with_q6_k_tensors_keeps_them_packed_and_matches_hf(tmp_path, tokenizer_dir):
+def test_a_gguf_with_q6_k_tensors_matches_hf(tmp_path, tokenizer_dir):
     """As llama.cpp's Q4_K_M files carry them, Q6_K tensors (here the MLP's down projection, the
-    embedding and the head of a Llama with 256 hidden units) stay packed as two planes in
-    groups of 16; kiln's logits against HF transformers on the same values dequantized by the
-    gguf package, within a few bf16 ulps, and the same greedy picks."""
+    embedding and the head of a Llama with 256 hidden units) beside packed ones: the Q6_K
+    tensors are dequantized at load, the rest stay packed; kiln's logits against HF
+    transformers on the same values dequantized by the gguf package, within a few bf16 ulps,
+    and the same greedy picks."""
     import transformers
 
     from tests.conftest import TINY
@@ -294,21 +263,25 @@ def test_a_gguf_with_q6_k_tensors_keeps_them_packed_and_matches_hf(tmp_path, tok
                 q = quantize(p.numpy(), _q6_k_mix_kind(name))
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(q, _q6_k_mix_kind(name))))
     prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    ours, tokens = _greedy_logits(str(path), "auto", prompt, tokenizer_dir)
+    ours, tokens = _greedy_logits(str(path), "auto", prompt, tokenizer_dir, packed_layers=2 * 3)
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
     assert tokens == ref.argmax(-1).tolist()
 
 
-def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: str):
-    """kiln's logits of 4 greedy steps (a prefill, three decodes) and its tokens."""
+def _greedy_logits(
+    path: str, quantization: str, prompt: list[int], tokenizer: str, packed_layers: int = 2 * 4 + 2
+):
+    """kiln's logits of 4 greedy steps (a prefill, three decodes) and its tokens; `packed_layers`:
+    the packed modules expected with --quantization auto (default: 2 layers x 4, embedding and
+    head)."""
     from kiln import SamplingParams
     from tests.helpers import make_engine, run_schedule
 
     engine = make_engine(path, quantization=quantization, tokenizer=tokenizer)
     packed = sum(isinstance(m, PackedInt4) for m in engine.runner.model.modules())
-    assert packed == (2 * 4 + 2 if quantization == "auto" else 0)  # 2 layers x 4, embed, head
+    assert packed == (packed_layers if quantization == "auto" else 0)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
     return torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
@@ -316,7 +289,7 @@ def _greedy_logits(path: str, quantization: str, prompt: list[int], tokenizer: s
 
 @pytest.mark.parametrize("build", ["native", "avx512", "avx2", "portable"])
 @pytest.mark.parametrize("block", [32, 64])  # AVX2's layout and AVX-512's: any build reads both
-@pytest.mark.parametrize("group", [16, 32, 128])  # 16: Q6_K's
+@pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("terms", [2, 1])  # (scale, zero) pairs, or the scales alone
 def test_kilns_int4_kernel_matches_the_dequantized_weight(build, block, group, terms):
     """kiln's C++ int4 matmul on aten's CPU layout, every build this CPU runs, against float64
@@ -387,7 +360,7 @@ def _int8_kernel():
     return kernel
 
 
-@pytest.mark.parametrize("group", [16, 32, 128])  # 16: two spans a chunk of 32 (Q6_K)
+@pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("terms", [2, 1])
 def test_int8_rows_are_the_rows_quantized_by_hand(group, planes, terms):

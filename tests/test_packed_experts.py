@@ -39,18 +39,10 @@ def _q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-def _q6_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
-    """Random Q6_K rows (the gguf package has no Q6_K quantizer), d small."""
-    blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
-    d = rng.uniform(1e-4, 1e-3, (n, k // 256)).astype(np.float16)
-    blocks[..., 208:210] = d.view(np.uint8).reshape(n, k // 256, 2)
-    return blocks.reshape(n, -1)
-
-
 def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
     """(the gguf package's dequantized float32 [n, k], kiln's planes) of one random matrix."""
-    if kind in ("Q4_K", "Q6_K"):
-        data = (_q4_k if kind == "Q4_K" else _q6_k)(n, k, rng)
+    if kind == "Q4_K":
+        data = _q4_k(n, k, rng)
     else:
         data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, T[kind])
     ref = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).copy())
@@ -97,7 +89,7 @@ def _routing(tokens: int, seed: int = 1):
     return x, ids, torch.rand(tokens, 2, generator=g)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0", "Q6_K"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: the dense path for expert 0
 def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
@@ -105,11 +97,11 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     assert set(experts.packed) == {"gate_up_proj", "down_proj"}
     assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks kept
     assert isinstance(experts.packed["down_proj"], PackedExperts)
-    assert experts.packed["down_proj"].num_planes == (2 if kind in ("Q8_0", "Q6_K") else 1)
-    # the zeros of Q4_0 and of Q8_0's and Q6_K's high planes are all 0: those tables keep the
-    # scales alone (where kiln's kernel runs them)
+    assert experts.packed["down_proj"].num_planes == (2 if kind == "Q8_0" else 1)
+    # the zeros of Q4_0 and of Q8_0's high plane are all 0: those tables keep the scales alone
+    # (where kiln's kernel runs them)
     widths = [sz.shape[-1] for sz in experts.packed["down_proj"].planes()[1]]
-    expected = {"Q4_0": [1], "Q4_K": [2], "Q8_0": [1, 2], "Q6_K": [1, 2]}[kind]
+    expected = {"Q4_0": [1], "Q4_K": [2], "Q8_0": [1, 2]}[kind]
     assert widths == (expected if int4_matmul_kernel() is not None else [2] * len(expected))
     x, ids, weights = _routing(tokens)
     y = experts(x.to(dtype), ids, weights.to(dtype))

@@ -49,10 +49,7 @@ from kiln.layers.cpu_int4_layout import (
 )
 from kiln.layers.int4_kernel import CAST_DTYPES, int4_matmul_kernel
 
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # PyTorch's int4 kernels' (tinygemm's on CUDA)
-# kiln's CPU kernel also takes groups of 16 (GGUF's Q6_K); where it was not built, those run as
-# the dequantized weight and one matmul
-CPU_GROUP_SIZES = (16, *KERNEL_GROUP_SIZES)
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is faster
 # with a dense copy, from here on its oneDNN matmul beats the int4 kernel streaming 4x fewer
 # bytes (docs/performance.md, "Packed weights under concurrency")
@@ -114,9 +111,8 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     """Why no int4 kernel runs `t` on `device`, or None."""
     k = t.shape[1]
-    sizes = CPU_GROUP_SIZES if device.type == "cpu" else KERNEL_GROUP_SIZES
-    if t.group_size not in sizes:
-        return f"group size {t.group_size} (the int4 kernels on {device.type} take {sizes})"
+    if t.group_size not in KERNEL_GROUP_SIZES:
+        return f"group size {t.group_size} (the int4 kernels take {KERNEL_GROUP_SIZES})"
     if k % t.group_size:
         return f"{k} input features are not a multiple of the group size {t.group_size}"
     if device.type == "cuda" and k % 32:
@@ -342,9 +338,6 @@ def _int4_matmul_plane(rows, packed, scales_zeros, group_size: int) -> torch.Ten
     """int4_matmul's paths without kiln's kernel, one plane."""
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     scales_zeros = pairs_table(scales_zeros)
-    if group_size not in KERNEL_GROUP_SIZES:  # aten's kernel cannot: the weight dequantized
-        dtype = torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
-        return rows.to(dtype) @ cpu_dequantize_t(packed, scales_zeros, group_size, dtype)
     if rows.dtype == torch.float32:
         if rows.shape[0] >= DEQUANT_MIN_ROWS:
             return rows @ cpu_dequantize_t(packed, scales_zeros, group_size, torch.float32)
@@ -407,11 +400,6 @@ def _int4_or_dense_mm(
     planes = _planes(packed, scales_zeros, packed1, scales_zeros1)
     if kernel is not None:
         return _kernel_product(kernel, rows, planes, group_size, int8_planes).to(dense.dtype)
-    if group_size not in KERNEL_GROUP_SIZES:  # aten's kernel cannot: the planes dequantized
-        y = functools.reduce(torch.add, (
-            rows.float() @ cpu_dequantize_t(p, sz, group_size, torch.float32) for p, sz in planes
-        ))  # fmt: skip
-        return y.to(dense.dtype)
     mm = torch.ops.aten._weight_int4pack_mm_for_cpu
     half = rows.to(torch.bfloat16)  # the planes' products summed in float32, rounded once
     y = functools.reduce(

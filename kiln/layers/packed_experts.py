@@ -39,8 +39,6 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"device {device.type} (kiln's packed experts run on the CPU and CUDA)"
     k = t.shape[1]
-    if t.group_size < 32:  # Q6_K's 16: the Triton kernel is tested with 32 and up only
-        return f"group size {t.group_size} (the Triton kernel takes 32 and up)"
     if k % 2 or k % t.group_size:
         return f"{k} input features (the Triton kernel needs a multiple of 2 and of the group)"
     return None

@@ -1,5 +1,5 @@
-"""GGUF's block formats read into 4-bit codes with a scale and zero per 32 columns (16 for
-Q6_K; the form `kiln.layers.packed` packs), exactly: no value is requantized.
+"""GGUF's block formats read into 4-bit codes with a scale and zero per 32 columns (the form
+`kiln.layers.packed` packs), exactly: no value is requantized.
 
 Q4_0 (d, 32 codes): w = d (q - 8).             scale d, zero 0
 Q4_1 (d, m, 32 codes): w = d q + m.            scale d, zero m + 8d
@@ -7,13 +7,10 @@ Q4_K (256 columns: d, dmin, 8 six-bit scales and mins, codes): w = d sc q - dmin
 columns                                        scale d sc, zero 8 d sc - dmin mn
 Q8_0 (d, 32 int8): q = 16 hi + lo, two planes: high (hi + 8, scale 16d), low (lo, scale d,
 zero 8d)
-Q6_K (256 columns: 6-bit q, an int8 scale sc per 16 columns, d): w = d sc (q - 32), q = 16 hi +
-lo, two planes in groups of 16: high (hi + 8, scale 16 d sc), low (lo, scale d sc, zero -24 d sc)
 
 Within a block of 32 (Q4_0/Q4_1) the low nibbles of the 16 bytes are columns 0-15 and the high
-nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Q6_K's
-groups of 16 run on kiln's CPU kernel only (PyTorch's int4 kernels take 32 and up). Other types
-(Q5_x, Q2_K, Q3_K, Q5_K) have no exact 4-bit form: the loader dequantizes them."""
+nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Other
+types (Q5_x, Q6_K, Q2_K, Q3_K) have no exact 4-bit form: the loader dequantizes them."""
 
 from __future__ import annotations
 
@@ -22,7 +19,7 @@ import torch
 
 from kiln.layers.packed import Int4Codes, QuantizedTensor
 
-PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
+PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
 GROUP = 32
 
 
@@ -36,13 +33,13 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([qs & 15, qs >> 4], axis=-1)
 
 
-def _plane(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray, group: int = GROUP) -> Int4Codes:
+def _plane(codes: np.ndarray, scale: np.ndarray, zero: np.ndarray) -> Int4Codes:
     n = codes.shape[0]
     return Int4Codes(
         torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1), dtype=np.uint8)),
         torch.from_numpy(np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)),
         torch.from_numpy(np.ascontiguousarray(zero.reshape(n, -1), dtype=np.float32)),
-        group,
+        GROUP,
     )
 
 
@@ -85,34 +82,8 @@ def q8_0(blocks: np.ndarray) -> list[Int4Codes]:
     return [_plane(high, 16 * d, np.zeros_like(d)), _plane(low, d, 8 * d)]
 
 
-def _q6_k_half(ql: np.ndarray, qh: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """128 columns of Q6_K from 64 bytes of low nibbles and 32 of 2-bit highs: (hi, lo) [..., 128].
-    Column l + 32 j (l < 32) takes ql[l] (j even) or ql[l + 32] (j odd), its low nibble for j < 2,
-    and bits 2 j, 2 j + 1 of qh[l]."""
-    lo = np.concatenate(
-        [ql[..., :32] & 15, ql[..., 32:] & 15, ql[..., :32] >> 4, ql[..., 32:] >> 4], -1
-    )
-    hi = np.concatenate([(qh >> shift) & 3 for shift in (0, 2, 4, 6)], -1)
-    return hi, lo
-
-
-def q6_k(blocks: np.ndarray) -> list[Int4Codes]:
-    ql, qh = blocks[..., 0:128], blocks[..., 128:192]
-    sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)
-    halves = [
-        _q6_k_half(ql[..., 64 * h : 64 * h + 64], qh[..., 32 * h : 32 * h + 32]) for h in (0, 1)
-    ]
-    hi = np.concatenate([h for h, _ in halves], -1).astype(np.int16)
-    lo = np.concatenate([lo for _, lo in halves], -1)
-    scale = _f16(blocks[..., 208:210]) * sc  # [..., 16]: d sc per 16 columns
-    return [
-        _plane(hi + 8, 16 * scale, np.zeros_like(scale), 16),
-        _plane(lo, scale, -24 * scale, 16),
-    ]
-
-
 _READERS = {"Q4_0": (q4_0, 18, 32), "Q4_1": (q4_1, 20, 32), "Q4_K": (q4_k, 144, 256),
-            "Q8_0": (q8_0, 34, 32), "Q6_K": (q6_k, 210, 256)}  # fmt: skip
+            "Q8_0": (q8_0, 34, 32)}  # fmt: skip
 
 
 def gguf_codes(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:

@@ -258,15 +258,12 @@ void block_rows_int8(const Int8Problem& p, int64_t block, int64_t m0) {
     __m512 facc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
-    // spans of a chunk's columns, or of a group's where groups are smaller (Q6_K's 16)
-    const int64_t span = std::min<int64_t>(p.group, CHUNK);
-    for (int64_t s0 = g * p.group; s0 < (g + 1) * p.group; s0 += span) {
-      const int64_t c = s0 / CHUNK;
+    for (int64_t c = g * p.group / CHUNK; c < (g + 1) * p.group / CHUNK; ++c) {
       __m512i acc[P][R][4];
       for (int q = 0; q < P; ++q)
         for (int r = 0; r < R; ++r)
           for (int j = 0; j < 4; ++j) acc[q][r][j] = _mm512_setzero_si512();
-      for (int64_t kk = s0; kk < s0 + span; kk += 4) {
+      for (int64_t kk = c * CHUNK; kk < (c + 1) * CHUNK; kk += 4) {
         const uint8_t* bytes = column + kk * 32;
         prefetch(bytes + CODES_AHEAD);
         prefetch(bytes + CODES_AHEAD + 64);
@@ -491,8 +488,7 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
     for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
 #ifdef KILN_INT8_ROWS
-  const bool spans = group % CHUNK == 0 || (group % 4 == 0 && CHUNK % group == 0);
-  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && spans) {
+  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
     std::vector<int8_t> xq(int8_planes * rows * k);
     std::vector<float> xscale(rows * (k / CHUNK));
     quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data(), threads);
