@@ -39,20 +39,18 @@ class Int4MatmulKernel:
     ) -> torch.Tensor:  # fmt: skip
         """float32 [R, K] rows (contiguous) times the plane (`packed` [N, K/2] uint8 in blocks
         of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16, or [K/G, N, 1]: the scales alone,
-        every zero 0) -> float32 [R, N]; added into `out`
-        where it is given. `int8_planes` 1 or 2: the rows go in as that many int8 planes per 32
-        columns (8 or 16 bits of each value) where this build has that path and `block_n` is 64
-        (else, and with 0, as float32)."""
+        every zero 0) -> float32 [R, N]; added into `out` where it is given. `int8_planes` 1 or
+        2: the rows go in as that many int8 planes per 32 columns (8 or 16 bits of each value)
+        where this build has that path and `block_n` is 64 (else, and with 0, as float32)."""
         r, k = rows.shape
-        _table_width(scales_zeros)
+        terms = _table_width(scales_zeros)
         n = scales_zeros.shape[1]
         accumulate = out is not None
         if out is None:
             out = torch.empty(r, n, dtype=torch.float32)
         self.library.kiln_int4_mm(
-            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(),
-            scales_zeros.shape[2], n, block_n, group_size, out.data_ptr(), int(accumulate),
-            torch.get_num_threads(), int8_planes,
+            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(), terms, n, block_n,
+            group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
 
@@ -64,12 +62,11 @@ class Int4MatmulKernel:
         `dtype` (float32 or bf16, rounded once): one call where a decode step's linear made
         three (the rows widened, the product, its rounding)."""
         r, k = rows.shape
-        _table_width(scales_zeros)
+        terms = _table_width(scales_zeros)
         out = torch.empty(r, scales_zeros.shape[1], dtype=dtype)
         self.library.kiln_int4_mm_cast(
             CAST_DTYPES[rows.dtype], rows.data_ptr(), r, k, packed.data_ptr(),
-            scales_zeros.data_ptr(), scales_zeros.shape[2], scales_zeros.shape[1], block_n,
-            group_size,
+            scales_zeros.data_ptr(), terms, scales_zeros.shape[1], block_n, group_size,
             CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
@@ -80,12 +77,11 @@ class Int4MatmulKernel:
     ) -> torch.Tensor:  # fmt: skip
         """W^T [K, N] in `dtype` (float32 or bf16), bit for bit what `cpu_dequantize_t` makes
         with PyTorch's ops, about 8x faster: the weight of the large-batch path's dense matmul."""
-        _table_width(scales_zeros)
+        terms = _table_width(scales_zeros)
         k, n = packed.shape[1] * 2, scales_zeros.shape[1]
         out = torch.empty(k, n, dtype=dtype)
         self.library.kiln_int4_dequantize_t(
-            packed.data_ptr(), scales_zeros.data_ptr(), scales_zeros.shape[2], n, k, block_n,
-            group_size,
+            packed.data_ptr(), scales_zeros.data_ptr(), terms, n, k, block_n, group_size,
             CAST_DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
         )  # fmt: skip
         return out
@@ -95,12 +91,11 @@ CAST_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # matmul_as's rows and outp
 
 
 def _table_width(table: torch.Tensor) -> int:
-    """The table's values an output and group (1 or 2), checked: the kernel reads it as a
-    contiguous [K/G, N, width] array of bf16."""
-    if table.dim() != 3 or table.shape[2] not in (1, 2) or table.dtype != torch.bfloat16:
-        raise ValueError(f"a [K/G, N, 1 or 2] bf16 table, not {tuple(table.shape)} {table.dtype}")
-    if not table.is_contiguous():
-        raise ValueError("the table must be contiguous")
+    """The table's values an output and group, 1 or 2 (checked: the kernel strides by it). The
+    kernel reads a contiguous bf16 table, as pack_plane makes it; this runs on every linear of
+    every step, so it checks only what picks the path."""
+    if table.dim() != 3 or table.shape[2] not in (1, 2):
+        raise ValueError(f"a [K/G, N, 1 or 2] table, not {tuple(table.shape)}")
     return table.shape[2]
 
 
