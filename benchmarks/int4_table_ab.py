@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -51,8 +52,30 @@ def set_layout(tables: list[tuple[PackedInt4, str, torch.Tensor]], layout: str) 
 
 def decode_seconds(llm: LLM, tokens: int) -> float:
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    return _timed(lambda: llm.generate([PROMPT], params))
+
+
+def report_rate(tokens: int) -> Callable[[int, str, float], None]:
+    """alternating_rounds' report for decode rounds of `tokens` tokens."""
+    return lambda r, name, seconds: print(f"round {r} {name}: {tokens / seconds:.2f} tok/s")
+
+
+def alternating_rounds(
+    runs: dict[str, Callable[[], float]], rounds: int, report: Callable[[int, str, float], None]
+) -> dict[str, float]:
+    """Each run's seconds over `rounds` rounds, the order reversed every other round (this
+    machine drifts within minutes); `report(round, name, seconds)` after each. Medians."""
+    seconds: dict[str, list[float]] = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in runs if r % 2 == 0 else list(runs)[::-1]:
+            seconds[name].append(runs[name]())
+            report(r + 1, name, seconds[name][-1])
+    return {name: statistics.median(v) for name, v in seconds.items()}
+
+
+def _timed(fn: Callable[[], object]) -> float:
     t0 = time.perf_counter()
-    llm.generate([PROMPT], params)
+    fn()
     return time.perf_counter() - t0
 
 
@@ -72,16 +95,15 @@ def kernel_rounds(rounds: int) -> None:
         pairs.append((torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, generator=g), table))
     weights = {"scales": [(p, t[..., :1].contiguous()) for p, t in pairs], "pairs": pairs}
     rows = {k: torch.randn(1, k, generator=g) for k in (2048, 8192)}
+
+    def step(layout: str, planes: int) -> None:
+        for packed, table in weights[layout]:
+            kernel.matmul(rows[packed.shape[1] * 2], packed, table, 32, block, int8_planes=planes)
+
     for planes in (2, 1, 0) if kernel.has_int8_rows else (0,):
-        seconds: dict[str, list[float]] = {"scales": [], "pairs": []}
-        for r in range(rounds):
-            for layout in ("scales", "pairs") if r % 2 == 0 else ("pairs", "scales"):
-                t0 = time.perf_counter()
-                for packed, table in weights[layout]:
-                    kernel.matmul(rows[packed.shape[1] * 2], packed, table, 32, block,
-                                  int8_planes=planes)  # fmt: skip
-                seconds[layout].append(time.perf_counter() - t0)
-        ms = {k: statistics.median(v) * 1e3 for k, v in seconds.items()}
+        runs = {k: lambda k=k, p=planes: _timed(lambda: step(k, p)) for k in ("scales", "pairs")}
+        median = alternating_rounds(runs, rounds, lambda *_: None)
+        ms = {k: v * 1e3 for k, v in median.items()}
         ratio = ms["pairs"] / ms["scales"]
         print(
             f"int8 planes {planes}: one row through every matrix: scales alone "
@@ -105,13 +127,14 @@ def main() -> None:
         raise SystemExit("this model has no scales-only tables (no plane whose zeros are all 0)")
     print(f"{len(tables)} scales-only tables")
     decode_seconds(llm, 8)  # warm
-    seconds: dict[str, list[float]] = {"scales": [], "pairs": []}
-    for r in range(args.rounds):
-        for layout in ("scales", "pairs") if r % 2 == 0 else ("pairs", "scales"):
-            set_layout(tables, layout)
-            seconds[layout].append(decode_seconds(llm, args.tokens))
-            print(f"round {r + 1} {layout}: {args.tokens / seconds[layout][-1]:.2f} tok/s")
-    rate = {k: args.tokens / statistics.median(v) for k, v in seconds.items()}
+
+    def decode_as(layout: str) -> float:
+        set_layout(tables, layout)
+        return decode_seconds(llm, args.tokens)
+
+    runs = {k: lambda k=k: decode_as(k) for k in ("scales", "pairs")}
+    median = alternating_rounds(runs, args.rounds, report_rate(args.tokens))
+    rate = {k: args.tokens / v for k, v in median.items()}
     print(f"median tok/s: scales alone {rate['scales']:.2f}, pairs {rate['pairs']:.2f}, "
           f"scales / pairs {rate['scales'] / rate['pairs']:.3f}x")  # fmt: skip
 

@@ -9,15 +9,13 @@ alternating.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from unittest import mock
 
-from kiln import LLM, SamplingParams
+from int4_table_ab import alternating_rounds, decode_seconds, report_rate  # beside this script
+
+from kiln import LLM
 from kiln.loader import gguf as gguf_loader
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
-
-PROMPT = "Write a long story about a lighthouse keeper and her cat."
 
 
 def boot(model: str, dtype: str, mode: int, dequantize: list[str]) -> LLM:
@@ -25,13 +23,6 @@ def boot(model: str, dtype: str, mode: int, dequantize: list[str]) -> LLM:
     packed = tuple(t for t in PACKED_GGUF_TYPES if t not in dequantize)
     with mock.patch.object(gguf_loader, "PACKED_GGUF_TYPES", packed):
         return LLM(model, dtype=dtype, compilation_config={"mode": mode})
-
-
-def decode_seconds(llm: LLM, tokens: int) -> float:
-    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
-    t0 = time.perf_counter()
-    llm.generate([PROMPT], params)
-    return time.perf_counter() - t0
 
 
 def main() -> None:
@@ -49,12 +40,9 @@ def main() -> None:
         weights = sum(b for _, _, b in llm.engine.runner.model.weight_summary) / 2**20
         print(f"{name}: resident weights {weights:.0f} MiB")
         decode_seconds(llm, 8)  # warm
-    seconds: dict[str, list[float]] = {name: [] for name in engines}
-    for r in range(args.rounds):
-        for name in engines if r % 2 == 0 else list(engines)[::-1]:
-            seconds[name].append(decode_seconds(engines[name], args.tokens))
-            print(f"round {r + 1} {name}: {args.tokens / seconds[name][-1]:.2f} tok/s")
-    rate = {k: args.tokens / statistics.median(v) for k, v in seconds.items()}
+    runs = {name: lambda llm=llm: decode_seconds(llm, args.tokens) for name, llm in engines.items()}
+    median = alternating_rounds(runs, args.rounds, report_rate(args.tokens))
+    rate = {k: args.tokens / v for k, v in median.items()}
     print(f"median tok/s: packed {rate['packed']:.2f}, {'+'.join(args.dequantize)} dequantized "
           f"{rate['dequantized']:.2f}, packed / dequantized "
           f"{rate['packed'] / rate['dequantized']:.3f}x")  # fmt: skip
