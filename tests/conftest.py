@@ -239,6 +239,41 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
     return str(path)
 
 
+# llama.cpp's Q4_K_M files carry some tensors in Q6_K beside 4-bit ones: these of a Llama with
+# 256 hidden units (Q6_K's blocks are 256 columns)
+Q6_K_MIX = {"self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q8_0", "embed": "Q6_K",
+            "lm_head": "Q6_K"}  # fmt: skip
+
+
+def q6_k_mix_kind(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[next(k for part, k in Q6_K_MIX.items() if part in name)]
+
+
+def q6_k_mix_llama():
+    """A random 2-layer Llama with 256 hidden units and its own head (seeded): wide enough for
+    Q6_K, with the tiny models' vocabulary (their tokenizer)."""
+    import transformers
+
+    torch.manual_seed(1)
+    cfg = transformers.LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **{
+        **TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
+        "tie_word_embeddings": False,
+    })  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def q6_k_mix_gguf(tmp_path_factory) -> str:
+    """`q6_k_mix_llama` as a GGUF of Q6_K_MIX's types (tokenizer: tiny_models["llama"])."""
+    from tests.gguf_files import write_gguf
+
+    path = tmp_path_factory.mktemp("packed") / "q6k-mix.gguf"
+    write_gguf(path, q6_k_mix_llama(), q6_k_mix_kind)
+    return str(path)
+
+
 def packed_moe_kind(name: str):
     """The packed tiny Qwen3-MoE's tensor types: experts' gate and up Q4_1, their down Q8_0
     (two planes), attention Q4_0, the rest (router, dense MLP, embedding, head) Q8_0."""

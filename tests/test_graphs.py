@@ -22,6 +22,7 @@ from kiln.cudagraphs.full import FullGraphs
 from kiln.cudagraphs.graph_backend import EmulatedGraphBackend, GraphBackend, unowned
 from kiln.cudagraphs.piecewise import PiecewiseGraphs, RuntimeState
 from kiln.errors import ConfigError
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from tests.helpers import make_engine, run_schedule
 
 pytest.importorskip("triton")
@@ -73,9 +74,9 @@ MODES = [
 ]
 
 
-def _reference(path: str, backend: str, tokenizer: str | None = None):
+def _reference(path: str, backend: str, tokenizer: str | None = None, kv: int = PREEMPTING):
     """An eager run of the workload, with a KV budget small enough to force preemption."""
-    engine = _engine(path, "NONE", 0, backend, graphs=False, kv=PREEMPTING, tokenizer=tokenizer)
+    engine = _engine(path, "NONE", 0, backend, graphs=False, kv=kv, tokenizer=tokenizer)
     out = run_schedule(engine, _workload(), record_logits=True)
     assert engine.stats().num_preemptions > 0
     return out
@@ -126,24 +127,31 @@ def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, 
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+PACKED_GGUFS = {"llama": "packed_gguf", "qwen3_moe": "packed_moe_gguf", "q6_k": "q6_k_mix_gguf"}
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "q6_k"])
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
 def test_graph_modes_of_a_packed_model_equal_eager(
     request, tiny_models, model, graph_mode, mode, backend, ran
 ):
-    """4-bit packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
-    count at run time; the packed experts' op) inside FULL graphs and inside compiled pieces
-    of PIECEWISE ones."""
-    path = request.getfixturevalue("packed_gguf" if model == "llama" else "packed_moe_gguf")
-    tokenizer = tiny_models[model]
-    engine = _engine(path, graph_mode, mode, backend, kv=PREEMPTING, tokenizer=tokenizer)
+    """Packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
+    count at run time; the packed experts' op; Q6_K's own op beside int4 ones, where this CPU
+    runs it) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
+    q6k = model == "q6_k"
+    if q6k and q6k_matmul_kernel() is None:
+        pytest.skip("kiln's Q6_K kernel needs AVX512-VNNI and AVX512-VBMI")
+    path = request.getfixturevalue(PACKED_GGUFS[model])
+    tokenizer = tiny_models["llama" if q6k else model]
+    kv = PREEMPTING * (4 if q6k else 1)  # its KV is 4x the tiny models' a token
+    engine = _engine(path, graph_mode, mode, backend, kv=kv, tokenizer=tokenizer)
     mlp = engine.runner.model.layers[0].mlp
-    if model == "llama":
-        assert mlp.down_proj.layout == "int4"
+    if model != "qwen3_moe":
+        assert mlp.down_proj.layout == ("q6_k" if q6k else "int4")
     else:
         assert set(mlp.experts.packed) == {"gate_up_proj", "down_proj"}
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
-    _assert_equals_within_bf16(finals, logits, _reference(path, backend, tokenizer))
+    _assert_equals_within_bf16(finals, logits, _reference(path, backend, tokenizer, kv))
     st = engine.stats()
     assert {m for m, n in st.graphs["steps"].items() if n} == ran
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0

@@ -12,7 +12,14 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kiln.layers.linear import Linear
-from kiln.layers.packed import DEQUANT_MIN_ROWS, Int4Codes, PackedInt4, QuantizedTensor
+from kiln.layers.packed import (
+    DEQUANT_MIN_ROWS,
+    Int4Codes,
+    PackedInt4,
+    PackedWeight,
+    QuantizedTensor,
+)
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from kiln.loader.gguf_quant import gguf_codes
 from tests.conftest import packed_kind
 
@@ -230,40 +237,25 @@ def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, pa
     torch.testing.assert_close(dense, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-Q6_K_MIX = {"self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q8_0", "embed": "Q6_K",
-            "lm_head": "Q6_K"}  # fmt: skip
-
-
-def _q6_k_mix_kind(name: str):
-    return T[next(k for part, k in Q6_K_MIX.items() if part in name)]
-
-
-def test_a_gguf_with_q6_k_tensors_matches_hf(tmp_path, tokenizer_dir):
+def test_a_gguf_with_q6_k_tensors_matches_hf(q6_k_mix_gguf, tokenizer_dir):
     """As llama.cpp's Q4_K_M files carry them, Q6_K tensors (here the MLP's down projection, the
-    embedding and the head of a Llama with 256 hidden units) beside packed ones: the Q6_K
-    tensors are dequantized at load, the rest stay packed; kiln's logits against HF
-    transformers on the same values dequantized by the gguf package, within a few bf16 ulps,
-    and the same greedy picks."""
-    import transformers
+    embedding and the head of a Llama with 256 hidden units) beside int4-packed ones: the Q6_K
+    tensors stay packed on kiln's Q6_K kernel where this CPU runs it (else they are dequantized
+    at load); kiln's logits against HF transformers on the same values dequantized by the gguf
+    package, within a few bf16 ulps, and the same greedy picks."""
+    from tests.conftest import q6_k_mix_kind, q6_k_mix_llama
+    from tests.gguf_files import quantize
 
-    from tests.conftest import TINY
-    from tests.gguf_files import quantize, write_gguf
-
-    torch.manual_seed(1)
-    cfg = transformers.LlamaConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **{
-        **TINY, "hidden_size": 256, "intermediate_size": 512, "head_dim": 64,
-        "tie_word_embeddings": False,
-    })  # fmt: skip
-    hf = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
-    path = tmp_path / "q6k-mix.gguf"
-    write_gguf(path, hf, _q6_k_mix_kind)
+    hf = q6_k_mix_llama()
     with torch.no_grad():  # the reference: the same quantized values, dequantized
         for name, p in hf.named_parameters():
             if p.ndim == 2:
-                q = quantize(p.numpy(), _q6_k_mix_kind(name))
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, _q6_k_mix_kind(name))))
+                q = quantize(p.numpy(), q6_k_mix_kind(name))
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, q6_k_mix_kind(name))))
     prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    ours, tokens = _greedy_logits(str(path), "auto", prompt, tokenizer_dir, packed_layers=2 * 3)
+    q6k = q6k_matmul_kernel() is not None
+    ours, tokens = _greedy_logits(q6_k_mix_gguf, "auto", prompt, tokenizer_dir,
+                                  packed_layers=2 * 4 + 2 if q6k else 2 * 3)  # fmt: skip
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
@@ -280,7 +272,7 @@ def _greedy_logits(
     from tests.helpers import make_engine, run_schedule
 
     engine = make_engine(path, quantization=quantization, tokenizer=tokenizer)
-    packed = sum(isinstance(m, PackedInt4) for m in engine.runner.model.modules())
+    packed = sum(isinstance(m, PackedWeight) for m in engine.runner.model.modules())
     assert packed == (packed_layers if quantization == "auto" else 0)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)

@@ -20,7 +20,7 @@ from kiln.layers.cpu_int4_layout import cpu_block_n
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import Linear, onednn_runs
-from kiln.layers.packed import PackedInt4
+from kiln.layers.packed import PackedWeight
 from kiln.layers.packed_experts import PackedExperts
 
 logger = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ def choose_packed_activations(model: nn.Module, policy: str, strict: bool) -> st
     as two int8 planes (`int16`, and `auto` where the kernel has the int8 path) or one
     (`int8`); a description for the boot log, None when the model has no packed weight. int8
     or int16 on a CPU without the path is a warning (an error with `strict`): rows stay float."""
-    packed = [m for m in model.modules() if isinstance(m, (PackedInt4, PackedExperts))]
+    packed = [m for m in model.modules() if isinstance(m, (PackedWeight, PackedExperts))]
     if not packed:
         return None
     kernel = int4_matmul_kernel()

@@ -22,7 +22,7 @@ from kiln.boot.kv_cache import available_memory
 from kiln.errors import ConfigError
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear, onednn_runs, pack_for_cpu
-from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedInt4
+from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ def keep_dense_copies(
     )
 
 
-def _packed_products(model: nn.Module) -> list[PackedInt4]:
+def _packed_products(model: nn.Module) -> list[PackedWeight]:
     """The packed weights that multiply activations: linears, and tied heads (a packed
     embedding that is only looked up needs no copy)."""
     out = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]

@@ -7,7 +7,8 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pairs_linear, unpack_pairs
 from kiln.layers.linear import onednn_linear, pack_for_cpu, prepack_for_cpu
-from kiln.layers.packed import PackedInt4, QuantizedTensor, unpackable_reason
+from kiln.layers.packed import PackedWeight, QuantizedTensor, unpackable_reason
+from kiln.layers.packed_q6k import PackedQ6K, packed_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -19,12 +20,14 @@ class VocabEmbedding(nn.Module):
         self.register_buffer("out_dtype", torch.empty(0), persistent=False)
         self.packed_head: torch.Tensor | None = None
         self.head_layout = "onednn"  # or "pairs" (kiln's bf16 kernel): packed_head's layout
-        self.packed: PackedInt4 | None = None  # a 4-bit table: lookup and head read it
+        self.packed: PackedWeight | None = None  # a packed table: lookup and head read it
         self.fallback_reason: str | None = None
 
     @property
     def layout(self) -> str:
-        return "int4" if self.packed is not None else "dense"
+        if self.packed is None:
+            return "dense"
+        return "q6_k" if isinstance(self.packed, PackedQ6K) else "int4"
 
     def load_weight(self, name: str, weight: torch.Tensor | QuantizedTensor) -> None:
         if tuple(weight.shape) != tuple(self.weight.shape):
@@ -58,7 +61,7 @@ class VocabEmbedding(nn.Module):
         if device.type != "cpu":
             reason = reason or "tinygemm's layout has no row lookup"
         if reason is None:
-            self.packed = PackedInt4(table, device)
+            self.packed = packed_weight(table, device)
             self.weight = None  # type: ignore[assignment]
         else:
             self.fallback_reason = reason

@@ -147,6 +147,15 @@ def int8_rows_product(
     rows' own float32 sum (sum_k w x = scale sum_k code x^ + (zero - 8 scale) sum_k x)."""
     if planes == 0:
         return x.double() @ w
+    approx = quantized_rows(x, planes)
+    scale, zero = table_terms(scales_zeros.double())  # [K/G, N]
+    bias = (zero - 8 * scale).repeat_interleave(group, 0)  # [K, N]
+    return approx @ w + (x.double() - approx) @ bias
+
+
+def quantized_rows(x: torch.Tensor, planes: int) -> torch.Tensor:
+    """float64 [R, K]: float32 rows `x` as the kernels' int8 paths take them, quantized per 32
+    columns into `planes` (1 or 2) int8 planes, rounded as their C++ rounds (int8_rows.h)."""
     chunks = x.view(x.shape[0], -1, 32)
     amax = chunks.abs().amax(-1, keepdim=True)
     # 127 / amax divided as C++ does (a Python number over a tensor is 127 * (1 / amax))
@@ -155,10 +164,7 @@ def int8_rows_product(
     if planes == 2:  # the remainder of the exact product (float64 holds it), rounded once
         rest = (chunks.double() * inverse.double() - q.double()).float()
         q = q + torch.round(rest * 256).clamp(-127, 127) / 256
-    approx = (q.double() * (amax.double() / 127)).view_as(x)  # float32 scale, as the kernel's
-    scale, zero = table_terms(scales_zeros.double())  # [K/G, N]
-    bias = (zero - 8 * scale).repeat_interleave(group, 0)  # [K, N]
-    return approx @ w + (x.double() - approx) @ bias
+    return (q.double() * (amax.double() / 127)).view_as(x)  # float32 scale, as the kernel's
 
 
 def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:

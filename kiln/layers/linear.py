@@ -18,7 +18,8 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pack_pairs, pairs_linear, pairs_runs, unpack_pairs
-from kiln.layers.packed import PackedInt4, QuantizedTensor, cat_rows, unpackable_reason
+from kiln.layers.packed import PackedWeight, QuantizedTensor, cat_rows, unpackable_reason
+from kiln.layers.packed_q6k import PackedQ6K, packed_weight
 
 
 class Linear(nn.Module):
@@ -29,9 +30,10 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # or "pairs" (kiln's bf16 kernel), "onednn" (prepacked), "transposed", "int4" (packed)
+        # or "pairs" (kiln's bf16 kernel), "onednn" (prepacked), "transposed", "int4" or "q6_k"
+        # (packed)
         self.layout = "dense"
-        self.packed: PackedInt4 | None = None
+        self.packed: PackedWeight | None = None
         self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until packed
         self.fallback_reason: str | None = None  # why quantized parts were dequantized
 
@@ -104,15 +106,15 @@ class Linear(nn.Module):
         else:
             self.fallback_reason = unpackable_reason(whole, device)
         if self.fallback_reason is None:
-            self.packed = PackedInt4(whole, device)
+            self.packed = packed_weight(whole, device)
             self.weight = None  # type: ignore[assignment]
-            self.layout = "int4"
+            self.layout = "q6_k" if isinstance(self.packed, PackedQ6K) else "int4"
             return
         for start, part in zip(starts, parts):
             self.weight.data[start : start + part.shape[0]] = part.dequantize()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.layout == "int4":
+        if self.packed is not None:
             return self.packed(x, self.bias)
         if self.layout == "pairs":
             return pairs_linear(x, self.weight, self.out_features, self.bias)

@@ -32,6 +32,7 @@ DENSE_MIN_ROWS rows; smaller batches (decode steps) stream the 4-bit planes."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +49,8 @@ from kiln.layers.cpu_int4_layout import (
     scale_only_table,
 )
 from kiln.layers.int4_kernel import CAST_DTYPES, int4_matmul_kernel
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
+from kiln.layers.q6k_layout import Q6KCodes
 
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 DEQUANT_MIN_ROWS = 256  # on the CPU, from here on dequantize + dense matmul is faster
@@ -73,13 +76,22 @@ class Int4Codes:
         s, z = self.scale.repeat_interleave(g, 1), self.zero.repeat_interleave(g, 1)
         return (self.codes.float() - 8) * s + z
 
+    def map_rows(self, rows: Callable[[torch.Tensor], torch.Tensor]) -> Int4Codes:
+        """The same rows of codes, scales and zeros (`rows` cuts, permutes or indexes dim 0)."""
+        return Int4Codes(rows(self.codes), rows(self.scale), rows(self.zero), self.group_size)
+
+    @staticmethod
+    def cat(planes: list[Int4Codes]) -> Int4Codes:
+        fields = (torch.cat([getattr(p, f) for p in planes]) for f in ("codes", "scale", "zero"))
+        return Int4Codes(*fields, planes[0].group_size)
+
 
 @dataclass
 class QuantizedTensor:
     """A checkpoint matrix in a packable format: `kind` names it ("Q4_1", "gptq", ...)."""
 
     kind: str
-    planes: list[Int4Codes]
+    planes: list[Int4Codes] | list[Q6KCodes]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -96,21 +108,20 @@ class QuantizedTensor:
 
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Parts of a fused layer (q, k, v) stacked by rows into one tensor."""
-    planes = [
-        Int4Codes(
-            torch.cat([p.planes[i].codes for p in parts]),
-            torch.cat([p.planes[i].scale for p in parts]),
-            torch.cat([p.planes[i].zero for p in parts]),
-            parts[0].group_size,
-        )
-        for i in range(len(parts[0].planes))
-    ]
+    first = parts[0].planes
+    planes = [type(first[i]).cat([p.planes[i] for p in parts]) for i in range(len(first))]
     return QuantizedTensor("+".join(sorted({p.kind for p in parts})), planes)
 
 
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
-    """Why no int4 kernel runs `t` on `device`, or None."""
+    """Why no kernel runs `t` on `device` (an int4 kernel, or kiln's Q6_K kernel), or None."""
     k = t.shape[1]
+    if isinstance(t.planes[0], Q6KCodes):
+        if device.type != "cpu":
+            return f"Q6_K stays packed on the CPU only (device {device.type})"
+        if q6k_matmul_kernel() is None:
+            return "kiln's Q6_K kernel needs AVX512-VNNI and AVX512-VBMI and a C++ compiler"
+        return None
     if t.group_size not in KERNEL_GROUP_SIZES:
         return f"group size {t.group_size} (the int4 kernels take {KERNEL_GROUP_SIZES})"
     if k % t.group_size:
@@ -124,34 +135,74 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     return None
 
 
-class PackedInt4(nn.Module):
-    """The packed planes of one weight matrix, its matmul and its rows."""
+class PackedWeight(nn.Module):
+    """What every packed matrix shares: its shape, how a step's rows go into its kernel, and the
+    dense copy a half-precision model may keep beside it for large batches."""
 
-    def __init__(self, t: QuantizedTensor, device: torch.device) -> None:
+    def __init__(self, t: QuantizedTensor) -> None:
         super().__init__()
         self.out_features, self.in_features = t.shape
-        self.group_size, self.kind, self.num_planes = t.group_size, t.kind, len(t.planes)
-        self.block_n = cpu_block_n() if device.type == "cpu" else 0  # a constant when traced
-        self.int8_planes = 0  # rows into kiln's CPU kernel as int8 planes (--packed-activations)
-        for i, plane in enumerate(t.planes):
-            packed, scales_zeros = pack_plane(plane, device)
-            self.register_buffer(f"packed{i}", packed)
-            self.register_buffer(f"scales_zeros{i}", scales_zeros)
+        self.kind = t.kind
+        self.int8_planes = 0  # rows into kiln's CPU kernels as int8 planes (--packed-activations)
         # oneDNN copy for large batches (CPU only); a parameter, as Linear's oneDNN weight is:
         # the compile cache's trace cannot save an oneDNN tensor held as a buffer
         self.register_parameter("dense", None)
 
+    @property
+    def padded_out(self) -> int:
+        """The output width of the kernels: out_features padded to their block."""
+        raise NotImplementedError
+
+    def dequantize(self) -> torch.Tensor:
+        """float32 [N, K] as the kernels see the weight."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """What the weight became, for `kiln info`."""
+        raise NotImplementedError
+
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """This weight dequantized to `dtype`, [N padded, in]: padded with zero rows as the
-        planes are, so the op's two paths return the same width."""
+        packed form is, so the op's two paths return the same width."""
         w = self.dequantize().to(dtype)
-        pad = self.scales_zeros0.shape[1] - w.shape[0]
+        pad = self.padded_out - w.shape[0]
         return torch.cat([w, w.new_zeros(pad, w.shape[1])]) if pad else w
 
     def keep_dense_copy(self, dense: torch.Tensor) -> None:
         """`dense`: `dense_weight` packed in pairs for kiln's bf16 kernel (4-D) or prepacked for
         oneDNN (2-D)."""
         self.dense = nn.Parameter(dense, requires_grad=False)
+
+    def finish(self, y: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The op's [R, N padded] product as the layer's output: cut, cast, biased, reshaped."""
+        y = y[:, : self.out_features].to(x.dtype)
+        if bias is not None:
+            y = y + bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers())
+
+
+class PackedInt4(PackedWeight):
+    """The packed planes of one weight matrix, its matmul and its rows."""
+
+    def __init__(self, t: QuantizedTensor, device: torch.device) -> None:
+        super().__init__(t)
+        self.group_size, self.num_planes = t.group_size, len(t.planes)
+        self.block_n = cpu_block_n() if device.type == "cpu" else 0  # a constant when traced
+        for i, plane in enumerate(t.planes):
+            packed, scales_zeros = pack_plane(plane, device)
+            self.register_buffer(f"packed{i}", packed)
+            self.register_buffer(f"scales_zeros{i}", scales_zeros)
+
+    @property
+    def padded_out(self) -> int:
+        return self.scales_zeros0.shape[1]
+
+    def describe(self) -> str:
+        planes = " (two planes)" if self.num_planes == 2 else ""
+        return f"int4 packed, group {self.group_size}{planes}"
 
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         n = range(self.num_planes)
@@ -178,10 +229,7 @@ class PackedInt4(nn.Module):
             )  # fmt: skip
         else:
             y = _tinygemm(rows, packed, scales_zeros, self.group_size)
-        y = y[:, : self.out_features].to(x.dtype)
-        if bias is not None:
-            y = y + bias
-        return y.view(*shape[:-1], self.out_features)
+        return self.finish(y, x, bias)
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup), CPU layout only."""
@@ -207,9 +255,6 @@ class PackedInt4(nn.Module):
             ]
         w = functools.reduce(torch.add, out)
         return w.t()[: self.out_features]
-
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers())
 
 
 def pack_plane(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -406,6 +451,17 @@ def _int4_or_dense_mm(
         torch.add, (mm(half, p, group_size, pairs_table(sz)).float() for p, sz in planes)
     )
     return y.to(dense.dtype)
+
+
+def dense_product(rows: torch.Tensor, dense: torch.Tensor, n: int) -> torch.Tensor | None:
+    """[R, n] from a packed weight's dense copy where the batch is large enough for it (from
+    PAIRS_MIN_ROWS on kiln's bf16 kernel, DENSE_MIN_ROWS on oneDNN), else None."""
+    if dense.dim() == 4 and rows.shape[0] >= PAIRS_MIN_ROWS:
+        half = rows.to(torch.bfloat16).contiguous()
+        return bf16_matmul_kernel().matmul(half, dense, n)  # type: ignore[union-attr]
+    if dense.dim() == 2 and rows.shape[0] >= DENSE_MIN_ROWS:
+        return torch.ops.mkldnn._linear_pointwise(rows.to(dense.dtype), dense, None, "none", [], "")
+    return None
 
 
 _LIB.define(

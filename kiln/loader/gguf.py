@@ -28,7 +28,7 @@ import torch
 
 import kiln.loader.gguf_hybrid as hybrid
 from kiln.errors import ModelLoadError
-from kiln.layers.packed import Int4Codes, QuantizedTensor
+from kiln.layers.packed import QuantizedTensor
 from kiln.loader.gguf_file import GGUFFile, GGUFTensor
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES, gguf_codes
 from kiln.loader.source import ModelSource
@@ -113,8 +113,7 @@ def take_rows(x, rows: Rows | None):
     first, count = rows
     if isinstance(x, QuantizedTensor):
         cut = lambda p: p[first : first + count].contiguous()  # noqa: E731
-        return QuantizedTensor(x.kind, [Int4Codes(cut(p.codes), cut(p.scale), cut(p.zero),
-                                                  p.group_size) for p in x.planes])  # fmt: skip
+        return QuantizedTensor(x.kind, [p.map_rows(cut) for p in x.planes])
     return x[..., first : first + count, :] if x.ndim == 3 else x[first : first + count]
 
 
@@ -156,9 +155,7 @@ def _unpermute_planes(t: QuantizedTensor, n_heads: int) -> QuantizedTensor:
     def rows(x: torch.Tensor) -> torch.Tensor:
         return torch.from_numpy(np.ascontiguousarray(unpermute_qk(x.numpy(), n_heads)))
 
-    planes = [Int4Codes(rows(p.codes), rows(p.scale), rows(p.zero), p.group_size)
-              for p in t.planes]  # fmt: skip
-    return QuantizedTensor(t.kind, planes)
+    return QuantizedTensor(t.kind, [p.map_rows(rows) for p in t.planes])
 
 
 class GGUFSource(ModelSource):

@@ -222,9 +222,7 @@ def _rows(t: Tensor, index: torch.Tensor) -> Tensor:
     """Rows `index` of a dense or quantized tensor (quantized rows move with their scales)."""
     if isinstance(t, torch.Tensor):
         return t[index]
-    planes = [Int4Codes(p.codes[index], p.scale[index], p.zero[index], p.group_size)
-              for p in t.planes]  # fmt: skip
-    return QuantizedTensor(t.kind, planes)
+    return QuantizedTensor(t.kind, [p.map_rows(lambda x: x[index]) for p in t.planes])
 
 
 def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
@@ -233,6 +231,8 @@ def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
     if isinstance(t, torch.Tensor):
         return t[:, index]
     g = t.group_size
+    if not isinstance(t.planes[0], Int4Codes):  # Q6_K: its sub-scales and d are not one group
+        return t.dequantize()[:, index]
     groups = index.view(-1, g) if len(index) % g == 0 else None
     whole = groups is not None and bool((groups[:, 0] % g == 0).all())
     if not whole or not torch.equal(groups - groups[:, :1], torch.arange(g).expand_as(groups)):

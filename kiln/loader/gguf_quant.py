@@ -7,10 +7,12 @@ Q4_K (256 columns: d, dmin, 8 six-bit scales and mins, codes): w = d sc q - dmin
 columns                                        scale d sc, zero 8 d sc - dmin mn
 Q8_0 (d, 32 int8): q = 16 hi + lo, two planes: high (hi + 8, scale 16d), low (lo, scale d,
 zero 8d)
+Q6_K (256 columns: 128 bytes of low 4 bits, 64 of top 2 bits, 16 int8 scales, d): w = d sc (q - 32)
+per 16 columns, read into its own form (kiln/layers/q6k_layout.py), 6 bits a code
 
 Within a block of 32 (Q4_0/Q4_1) the low nibbles of the 16 bytes are columns 0-15 and the high
 nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Other
-types (Q5_x, Q6_K, Q2_K, Q3_K) have no exact 4-bit form: the loader dequantizes them."""
+types (Q5_x, Q2_K, Q3_K) have no kernel here: the loader dequantizes them."""
 
 from __future__ import annotations
 
@@ -18,8 +20,9 @@ import numpy as np
 import torch
 
 from kiln.layers.packed import Int4Codes, QuantizedTensor
+from kiln.layers.q6k_layout import Q6KCodes
 
-PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0")
+PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
 GROUP = 32
 
 
@@ -82,8 +85,26 @@ def q8_0(blocks: np.ndarray) -> list[Int4Codes]:
     return [_plane(high, 16 * d, np.zeros_like(d)), _plane(low, d, 8 * d)]
 
 
+def q6_k(blocks: np.ndarray) -> list[Q6KCodes]:
+    """Each 128 columns of a block take 64 bytes of low 4 bits (columns 0-31 and 64-95 in the
+    low nibbles of bytes 0-31, 32-63 and 96-127 in those of 32-63) and 32 bytes of top 2 bits
+    (columns 0-31, 32-63, 64-95, 96-127 in bits 0-1, 2-3, 4-5, 6-7 of byte l)."""
+    n = blocks.shape[0]
+    ql = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 2, 32)  # [.., half, byte half, l]
+    qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+    low = np.concatenate([ql & 15, ql >> 4], axis=-2)  # m = 0..3: columns 32 m + l of a half
+    top = (qh >> (2 * np.arange(4, dtype=np.uint8))[:, None]) & 3
+    codes = low | top << 4
+    sub_scale = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8)
+    return [Q6KCodes(
+        torch.from_numpy(np.ascontiguousarray(codes.reshape(n, -1))),
+        torch.from_numpy(np.ascontiguousarray(sub_scale.reshape(n, -1))),
+        torch.from_numpy(_f16(blocks[..., 208:210]).reshape(n, -1)),
+    )]  # fmt: skip
+
+
 _READERS = {"Q4_0": (q4_0, 18, 32), "Q4_1": (q4_1, 20, 32), "Q4_K": (q4_k, 144, 256),
-            "Q8_0": (q8_0, 34, 32)}  # fmt: skip
+            "Q8_0": (q8_0, 34, 32), "Q6_K": (q6_k, 210, 256)}  # fmt: skip
 
 
 def gguf_codes(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:

@@ -231,9 +231,8 @@ def _format(module: Linear | VocabEmbedding) -> str:
     what = "embedding" if isinstance(module, VocabEmbedding) else "linear"
     if module.packed is not None:
         p = module.packed
-        planes = " (two planes)" if p.num_planes == 2 else ""
         dense = f" + dense {_dtype_name(p.dense)} copy" if p.dense is not None else ""
-        return f"{what}: {p.kind} -> int4 packed, group {p.group_size}{planes}{dense}"
+        return f"{what}: {p.kind} -> {p.describe()}{dense}"
     dtype = str(module.weight.dtype).removeprefix("torch.")
     if module.fallback_reason:
         return f"{what}: dequantized to {dtype} ({module.fallback_reason})"

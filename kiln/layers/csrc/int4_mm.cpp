@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "int8_rows.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -33,6 +34,8 @@
 namespace {
 
 using kiln_bf16::bf16_to_float;
+using kiln_int8_rows::CHUNK;
+using kiln_int8_rows::quantize_rows;
 
 // A block's codes are one sequential stream, but each group's (scale, zero) pairs lie n * 4
 // bytes from the last group's: a block touches k / group places in the scale table, more
@@ -222,7 +225,6 @@ bool run_block(const Problem&, int64_t) { return false; }
 // place (& 0xf0: 16 times the code) and its sums scaled by 1/16, which is exact.
 #if defined(KILN_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define KILN_INT8_ROWS 1
-constexpr int64_t CHUNK = 32;  // columns per int8 scale
 
 struct Int8Problem {
   const int8_t* xq;     // [planes, rows, k]: the codes, then (two planes) their remainders'
@@ -320,29 +322,6 @@ void block_all_rows_int8(const Int8Problem& p, int64_t block) {
     block_all_rows_int8<P, 2>(p, block);
 }
 
-// Each row's chunks of 32 columns as int8 codes and a float32 scale (round to nearest); with
-// two planes, the second holds the remainders at 1/256 of the scale: 16 bits of each value.
-void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, int8_t* xq,
-                   float* xscale, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t c = 0; c < k / CHUNK; ++c) {
-      const float* xs = x + m * k + c * CHUNK;
-      float amax = 0.0f;
-      for (int64_t i = 0; i < CHUNK; ++i) amax = std::max(amax, std::fabs(xs[i]));
-      const float scale = amax / 127.0f, inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
-      xscale[m * (k / CHUNK) + c] = scale;
-      for (int64_t i = 0; i < CHUNK; ++i) {
-        const float q = std::nearbyint(xs[i] * inverse);
-        xq[m * k + c * CHUNK + i] = static_cast<int8_t>(q);
-        if (planes == 2) {  // the exact product's remainder, rounded once, whatever the compiler
-          const float rest = std::nearbyint(std::fma(xs[i], inverse, -q) * 256.0f);
-          xq[(rows + m) * k + c * CHUNK + i] = static_cast<int8_t>(std::clamp(rest, -127.0f, 127.0f));
-        }
-      }
-    }
-  }
-}
 #endif
 
 // The reference: the same sums in scalar code, any block size.

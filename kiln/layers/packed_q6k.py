@@ -1,0 +1,116 @@
+"""GGUF's Q6_K kept packed on the CPU, 6.56 bits a weight, for kiln's Q6_K kernel
+(kiln/layers/q6k_kernel.py): llama.cpp's Q4_K_M files carry their embedding (a Llama 3.2's
+tied head) and some down and value projections in Q6_K, which dequantized to bf16 streamed 2.4
+times the bytes a decode step reads from the file.
+
+A step's rows go into the kernel as int8 planes per 32 columns: two (16 bits of each value)
+unless `--packed-activations int8` asks for one; `float` keeps two, the kernel having no float
+path. Large batches run as the int4 weights do: the dense copy where one is kept
+(`--prefill-weights`), else from DEQUANT_MIN_ROWS rows the weight dequantized and one dense
+matmul."""
+
+from __future__ import annotations
+
+import torch
+
+from kiln.layers.bf16_kernel import has_amx
+from kiln.layers.packed import (
+    _LIB,
+    DEQUANT_MIN_ROWS,
+    PackedInt4,
+    PackedWeight,
+    QuantizedTensor,
+    dense_product,
+)
+from kiln.layers.q6k_kernel import DTYPES, q6k_matmul_kernel
+from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
+
+
+class PackedQ6K(PackedWeight):
+    """One Q6_K matrix in kiln's layout, its matmul and its rows (CPU only)."""
+
+    def __init__(self, t: QuantizedTensor) -> None:
+        super().__init__(t)
+        packed = pack_q6k(t.planes[0])  # type: ignore[arg-type]
+        for name in ("low", "high", "sub_scales", "d"):
+            self.register_buffer(name, getattr(packed, name))
+
+    @property
+    def packed(self) -> Q6KPacked:
+        return Q6KPacked(self.low, self.high, self.sub_scales, self.d)
+
+    @property
+    def padded_out(self) -> int:
+        return self.sub_scales.shape[1]
+
+    def describe(self) -> str:
+        return "6-bit packed (Q6_K's layout)"
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        y = torch.ops.kiln.q6k_mm(
+            rows, self.low, self.high, self.sub_scales, self.d, self.dense, self.int8_planes
+        )
+        return self.finish(y, x, bias)
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` (an embedding lookup)."""
+        return q6k_rows(self.packed, ids).to(dtype)
+
+    def dequantize(self) -> torch.Tensor:
+        kernel = q6k_matmul_kernel()
+        if kernel is None:
+            return q6k_dequantize(self.packed)[: self.out_features]
+        return kernel.dequantize_t(self.packed, torch.float32).t()[: self.out_features]
+
+
+def packed_weight(t: QuantizedTensor, device: torch.device) -> PackedWeight:
+    """The packed module of `t` (unpackable_reason(t, device) is None): Q6_K's own, or int4."""
+    return PackedQ6K(t) if isinstance(t.planes[0], Q6KCodes) else PackedInt4(t, device)
+
+
+def _output_dtype(rows: torch.Tensor, dense: torch.Tensor | None) -> torch.dtype:
+    if dense is not None:
+        return dense.dtype
+    return torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
+
+
+def q6k_matmul(
+    rows: torch.Tensor,
+    low: torch.Tensor,
+    high: torch.Tensor,
+    sub_scales: torch.Tensor,
+    d: torch.Tensor,
+    dense: torch.Tensor | None = None,
+    int8_planes: int = 0,
+) -> torch.Tensor:
+    """CPU, [R, K] rows times a Q6_K weight -> [R, N padded] in float32 (float32 rows), bf16,
+    or the dense copy's dtype: the dense copy where it takes the batch; from DEQUANT_MIN_ROWS
+    the weight dequantized and one matmul (with int8 planes only where AMX multiplies bf16, as
+    int4_matmul chooses); else kiln's Q6_K kernel, each row alone."""
+    n = sub_scales.shape[1]
+    if dense is not None and (y := dense_product(rows, dense, n)) is not None:
+        return y
+    dtype = _output_dtype(rows, dense)
+    kernel = q6k_matmul_kernel()
+    w = Q6KPacked(low, high, sub_scales, d)
+    if rows.shape[0] >= DEQUANT_MIN_ROWS and (int8_planes == 0 or has_amx()):
+        weight = kernel.dequantize_t(w, dtype if dtype in DTYPES else torch.float32)
+        return (rows.to(weight.dtype) @ weight).to(dtype)
+    rows = (rows if rows.dtype in DTYPES else rows.float()).contiguous()
+    return kernel.matmul(rows, w, dtype if dtype in DTYPES else torch.float32,
+                         int8_planes or 2).to(dtype)  # fmt: skip
+
+
+_LIB.define(
+    "q6k_mm(Tensor rows, Tensor low, Tensor high, Tensor sub_scales, Tensor d, Tensor? dense, "
+    "int int8_planes=0) -> Tensor"
+)
+_LIB.impl("q6k_mm", q6k_matmul, "CompositeExplicitAutograd")
+
+
+def _q6k_mm_fake(rows, low, high, sub_scales, d, dense, int8_planes=0) -> torch.Tensor:
+    return rows.new_empty(rows.shape[0], sub_scales.shape[1], dtype=_output_dtype(rows, dense))
+
+
+torch.library.register_fake("kiln::q6k_mm", _q6k_mm_fake, lib=_LIB)

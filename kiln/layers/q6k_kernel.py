@@ -1,0 +1,108 @@
+"""kiln's CPU Q6_K matmul (`csrc/q6k_mm.cpp`): rows times a weight in kiln's Q6_K layout
+(kiln/layers/q6k_layout.py), the rows as int8 planes, built at first use (kiln/native.py).
+
+Its vector path needs AVX512-VNNI with VBMI; where the build has none the engine keeps Q6_K
+tensors dequantized, as before it had this kernel. The portable loops (`portable=True`) compute
+the same sums in the same order: the tests' reference, never the engine's path."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.layers.int4_kernel import quantized_rows
+from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
+from kiln.native import FLAGS, built_library, checked_kernel
+
+SOURCE = Path(__file__).parent / "csrc" / "q6k_mm.cpp"
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the rows' and the output's
+
+
+@dataclass(frozen=True)
+class Q6KMatmulKernel:
+    library: ctypes.CDLL
+    vectorized: bool  # AVX512-VNNI with VBMI: the engine's path
+
+    def matmul(
+        self, rows: torch.Tensor, w: Q6KPacked, dtype: torch.dtype, int8_planes: int = 2,
+        portable: bool = False,
+    ) -> torch.Tensor:  # fmt: skip
+        """float32 or bf16 rows [R, K] (contiguous) times the weight -> [R, N padded] in `dtype`
+        (float32 or bf16, rounded once from float32 sums); the rows as `int8_planes` int8 planes
+        per 32 columns (1: 8 bits of each value, 2: 16)."""
+        r, k = rows.shape
+        n = w.sub_scales.shape[1]
+        out = torch.empty(r, n, dtype=dtype)
+        self.library.kiln_q6k_mm(
+            DTYPES[rows.dtype], rows.data_ptr(), r, k, w.low.data_ptr(), w.high.data_ptr(),
+            w.sub_scales.data_ptr(), w.d.data_ptr(), n, DTYPES[dtype], out.data_ptr(),
+            int8_planes, torch.get_num_threads(), int(portable),
+        )  # fmt: skip
+        return out
+
+    def dequantize_t(self, w: Q6KPacked, dtype: torch.dtype) -> torch.Tensor:
+        """W^T [K, N padded] in `dtype` (float32 or bf16): exact in float32, rounded once to
+        bf16; the weight of the large-batch path's dense matmul."""
+        k, n = w.low.shape[1] * 2, w.sub_scales.shape[1]
+        out = torch.empty(k, n, dtype=dtype)
+        self.library.kiln_q6k_dequantize_t(
+            w.low.data_ptr(), w.high.data_ptr(), w.sub_scales.data_ptr(), w.d.data_ptr(), n, k,
+            DTYPES[dtype], out.data_ptr(), torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+
+@functools.cache
+def q6k_matmul_kernel() -> Q6KMatmulKernel | None:
+    """The engine's kernel: built once per machine and cache directory; None where it cannot be
+    built or has no vector path (Q6_K is dequantized then)."""
+    return checked_kernel(
+        "Q6_K matmul",
+        lambda: load_q6k_matmul(FLAGS),
+        self_check_error,
+        SELF_CHECK_TOLERANCE,
+        "Q6_K tensors are dequantized",
+    )
+
+
+SELF_CHECK_TOLERANCE = 1e-4  # float32 sums over 512 columns: ~1e-6; a misread code: ~1e-2
+
+
+def self_check_error(kernel: Q6KMatmulKernel) -> float:
+    """The vector path's largest error on a small random weight, relative to the largest
+    float64 product of the quantized rows, one and two planes."""
+    g = torch.Generator().manual_seed(0)
+    w = random_q6k(96, 512, g)
+    x = torch.randn(3, 512, generator=g)
+    want_w = q6k_dequantize(w).double().t()
+    worst = 0.0
+    for planes in (1, 2):
+        want = quantized_rows(x, planes) @ want_w
+        got = kernel.matmul(x, w, torch.float32, planes)
+        worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
+    return worst
+
+
+def random_q6k(n: int, k: int, generator: torch.Generator) -> Q6KPacked:
+    """A random weight in the packed layout (codes, scales and d drawn at random)."""
+    codes = torch.randint(0, 64, (n, k), dtype=torch.uint8, generator=generator)
+    sub_scale = torch.randint(-128, 128, (n, k // 16), generator=generator).to(torch.int8)
+    d = torch.rand(n, k // 256, generator=generator) / 1000
+    return pack_q6k(Q6KCodes(codes, sub_scale, d))
+
+
+def load_q6k_matmul(flags: tuple[str, ...]) -> Q6KMatmulKernel:
+    """The kernel built with `flags`, loaded; raises where it cannot be built or loaded."""
+    library = ctypes.CDLL(str(built_library(SOURCE, flags)))
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    library.kiln_q6k_vectorized.restype = flag
+    library.kiln_q6k_mm.restype = None
+    library.kiln_q6k_mm.argtypes = [flag, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, flag, ptr, flag,
+                                    flag, flag]  # fmt: skip
+    library.kiln_q6k_dequantize_t.restype = None
+    library.kiln_q6k_dequantize_t.argtypes = [ptr, ptr, ptr, ptr, i64, i64, flag, ptr, flag]
+    return Q6KMatmulKernel(library, library.kiln_q6k_vectorized() == 1)
