@@ -4,6 +4,10 @@ alternating.
 
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K_M --out /tmp/km.gguf
     python benchmarks/packed_types_ab.py --model /tmp/km.gguf --dequantize Q6_K --rounds 4
+    python benchmarks/packed_types_ab.py --model /tmp/km.gguf --dequantize-mixed --rounds 4
+
+`--dequantize-mixed`: the second engine packs every type but dequantizes fused layers whose
+parts mix formats (a Q4_K_M file's qkv with a Q6_K v), as kiln did before PackedParts.
 """
 
 from __future__ import annotations
@@ -14,28 +18,41 @@ from unittest import mock
 from int4_table_ab import alternating_rounds, decode_seconds, report_rate  # beside this script
 
 from kiln import LLM
+from kiln.layers import linear, packed_parts
 from kiln.loader import gguf as gguf_loader
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
 
 
-def boot(model: str, dtype: str, mode: int, dequantize: list[str]) -> LLM:
-    """An engine whose loader packs every type but `dequantize`."""
+def boot(model: str, dtype: str, mode: int, dequantize: list[str], mixed: bool = True) -> LLM:
+    """An engine whose loader packs every type but `dequantize` (and, without `mixed`, no
+    fused layer of mixed formats)."""
     packed = tuple(t for t in PACKED_GGUF_TYPES if t not in dequantize)
-    with mock.patch.object(gguf_loader, "PACKED_GGUF_TYPES", packed):
+    pack = packed_parts.pack_parts if mixed else _one_format_only
+    with mock.patch.object(gguf_loader, "PACKED_GGUF_TYPES", packed), \
+            mock.patch.object(linear, "pack_parts", pack):  # fmt: skip
         return LLM(model, dtype=dtype, compilation_config={"mode": mode})
+
+
+def _one_format_only(parts, out_features, device):
+    if len(packed_parts._runs_of_one_format(parts)) > 1:
+        return None, "its parts mix formats (--dequantize-mixed)"
+    return packed_parts.pack_parts(parts, out_features, device)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
-    parser.add_argument("--dequantize", nargs="+", default=["Q6_K"], choices=PACKED_GGUF_TYPES)
+    parser.add_argument("--dequantize", nargs="+", default=[], choices=PACKED_GGUF_TYPES)
+    parser.add_argument("--dequantize-mixed", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mode", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    engines = {"packed": boot(args.model, args.dtype, args.mode, []),
-               "dequantized": boot(args.model, args.dtype, args.mode, args.dequantize)}  # fmt: skip
+    if not args.dequantize and not args.dequantize_mixed:
+        parser.error("name types to --dequantize, or --dequantize-mixed")
+    other = boot(args.model, args.dtype, args.mode, args.dequantize, not args.dequantize_mixed)
+    engines = {"packed": boot(args.model, args.dtype, args.mode, []), "dequantized": other}
     for name, llm in engines.items():
         weights = sum(b for _, _, b in llm.engine.runner.model.weight_summary) / 2**20
         print(f"{name}: resident weights {weights:.0f} MiB")
@@ -43,7 +60,8 @@ def main() -> None:
     runs = {name: lambda llm=llm: decode_seconds(llm, args.tokens) for name, llm in engines.items()}
     median = alternating_rounds(runs, args.rounds, report_rate(args.tokens))
     rate = {k: args.tokens / v for k, v in median.items()}
-    print(f"median tok/s: packed {rate['packed']:.2f}, {'+'.join(args.dequantize)} dequantized "
+    what = "+".join(args.dequantize + (["mixed layers"] if args.dequantize_mixed else []))
+    print(f"median tok/s: packed {rate['packed']:.2f}, {what} dequantized "
           f"{rate['dequantized']:.2f}, packed / dequantized "
           f"{rate['packed'] / rate['dequantized']:.3f}x")  # fmt: skip
 

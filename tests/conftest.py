@@ -240,9 +240,9 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
 
 
 # llama.cpp's Q4_K_M files carry some tensors in Q6_K beside 4-bit ones: these of a Llama with
-# 256 hidden units (Q6_K's blocks are 256 columns)
-Q6_K_MIX = {"self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q8_0", "embed": "Q6_K",
-            "lm_head": "Q6_K"}  # fmt: skip
+# 256 hidden units (Q6_K's blocks are 256 columns); the fused qkv has parts of both
+Q6_K_MIX = {"v_proj": "Q6_K", "self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q8_0",
+            "embed": "Q6_K", "lm_head": "Q6_K"}  # fmt: skip
 
 
 def q6_k_mix_kind(name: str):

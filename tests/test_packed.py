@@ -238,8 +238,8 @@ def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, pa
 
 
 def test_a_gguf_with_q6_k_tensors_matches_hf(q6_k_mix_gguf, tokenizer_dir):
-    """As llama.cpp's Q4_K_M files carry them, Q6_K tensors (here the MLP's down projection, the
-    embedding and the head of a Llama with 256 hidden units) beside int4-packed ones: the Q6_K
+    """As llama.cpp's Q4_K_M files carry them, Q6_K tensors (here the MLP's down projection, v,
+    the embedding and the head of a Llama with 256 hidden units) beside int4-packed ones: the Q6_K
     tensors stay packed on kiln's Q6_K kernel where this CPU runs it (else they are dequantized
     at load); kiln's logits against HF transformers on the same values dequantized by the gguf
     package, within a few bf16 ulps, and the same greedy picks."""
@@ -253,9 +253,11 @@ def test_a_gguf_with_q6_k_tensors_matches_hf(q6_k_mix_gguf, tokenizer_dir):
                 q = quantize(p.numpy(), q6_k_mix_kind(name))
                 p.copy_(torch.from_numpy(gguf.quants.dequantize(q, q6_k_mix_kind(name))))
     prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
+    # with the kernel: per layer a qkv of two packed runs (3 modules), o, gate_up and down;
+    # without, the qkv and down dequantized
     q6k = q6k_matmul_kernel() is not None
     ours, tokens = _greedy_logits(q6_k_mix_gguf, "auto", prompt, tokenizer_dir,
-                                  packed_layers=2 * 4 + 2 if q6k else 2 * 3)  # fmt: skip
+                                  packed_layers=2 * 6 + 2 if q6k else 2 * 2)  # fmt: skip
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())

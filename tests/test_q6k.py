@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kiln.layers.int4_kernel import quantized_rows
-from kiln.layers.linear import Linear
+from kiln.layers.linear import Linear, onednn_runs
 from kiln.layers.packed import DEQUANT_MIN_ROWS, QuantizedTensor
 from kiln.layers.packed_q6k import PackedQ6K
 from kiln.layers.q6k_kernel import load_q6k_matmul, q6k_matmul_kernel
@@ -128,9 +128,11 @@ def test_the_packed_layer_runs_both_paths(dtype):
 
 
 @needs_kernel
-def test_q6_k_parts_of_a_fused_layer_stay_packed_only_together():
-    """Fused q, k, v all in Q6_K are one packed matrix; a Q6_K part beside a Q4_0 one leaves
-    the layer dequantized, with the reason kept for `kiln info`."""
+def test_a_fused_layer_of_q6_k_and_int4_parts_stays_packed():
+    """Fused q, k, v all in Q6_K are one packed matrix; Q4_0 q and k beside a Q6_K v (as in
+    llama.cpp's Q4_K_M files) are two packed runs whose outputs concatenate, on both paths of
+    each."""
+    from kiln.layers.packed_parts import PackedParts
     from kiln.loader.gguf import take_rows
 
     want, t = _q6_k(192, 256, seed=7)
@@ -139,9 +141,45 @@ def test_q6_k_parts_of_a_fused_layer_stay_packed_only_together():
         fused.load_weight(f"part{first}", take_rows(t, (first, 64)), slice(first, first + 64))
     assert fused.layout == "q6_k"
     assert torch.equal(fused.packed.dequantize(), torch.from_numpy(want))
-    mixed = Linear(256, 128)
-    mixed.load_weight("q", take_rows(t, (0, 64)), slice(0, 64))
-    blocks = gguf.quants.quantize(want[64:128], gguf.GGMLQuantizationType.Q4_0)
-    mixed.load_weight("k", gguf_codes("Q4_0", blocks, (64, 256)), slice(64, 128))
-    assert mixed.layout != "q6_k" and mixed.packed is None and mixed.fallback_reason
-    assert torch.equal(mixed.weight[:64], torch.from_numpy(want[:64]))
+    blocks = gguf.quants.quantize(want[:128], gguf.GGMLQuantizationType.Q4_0)
+    qk = gguf_codes("Q4_0", blocks, (128, 256))
+    mixed = Linear(256, 192)
+    mixed.load_weight("v", take_rows(t, (128, 64)), slice(128, 192))
+    mixed.load_weight("q", take_rows(qk, (0, 64)), slice(0, 64))
+    mixed.load_weight("k", take_rows(qk, (64, 64)), slice(64, 128))
+    assert mixed.layout == "parts" and isinstance(mixed.packed, PackedParts)
+    assert [p.layout for p in mixed.packed.products()] == ["int4", "q6_k"]
+    dense = torch.cat([qk.dequantize(), torch.from_numpy(want[128:])])
+    torch.testing.assert_close(
+        mixed.packed.dequantize(), dense, rtol=0, atol=2**-8 * dense.abs().max().item()
+    )
+    for rows in (1, DEQUANT_MIN_ROWS):
+        x = torch.randn(rows, 256)
+        want_y = x.double() @ mixed.packed.dequantize().double().t()
+        scale = (x.double().abs() @ dense.abs().double().t()).max().item()
+        torch.testing.assert_close(mixed(x).double(), want_y, rtol=0, atol=1e-4 * scale)
+
+
+@needs_kernel
+@pytest.mark.skipif(not onednn_runs(torch.bfloat16), reason="no native oneDNN bf16 kernels")
+def test_dense_copies_for_prefill_are_kept_per_packed_run():
+    """--prefill-weights dense on a bf16 layer of Q4_0 and Q6_K runs: each run keeps its own
+    copy; a batch from the copies' switch on equals the dense product within bf16 rounding,
+    a decode row still goes through the packed kernels (the same values as without copies)."""
+    from kiln.boot.prefill_weights import keep_dense_copies
+
+    want, t = _q6_k(64, 256, seed=9)
+    blocks = gguf.quants.quantize(want, gguf.GGMLQuantizationType.Q4_0)
+    q = gguf_codes("Q4_0", blocks, (64, 256))
+    layer = Linear(256, 128).to(torch.bfloat16)
+    layer.load_weight("q", q, slice(0, 64))
+    layer.load_weight("v", t, slice(64, 128))
+    one_row = torch.randn(1, 256).bfloat16()
+    before = layer(one_row)
+    keep_dense_copies(torch.nn.Sequential(layer), torch.bfloat16, CPU, "dense")
+    assert all(p.dense is not None for p in layer.packed.products())
+    assert torch.equal(layer(one_row), before)
+    x = torch.randn(16, 256).bfloat16()
+    dense = layer.packed.dequantize()
+    ref = x.float() @ dense.t()
+    torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=2**-7 * ref.abs().max().item())

@@ -81,7 +81,8 @@ def keep_dense_copies(
 def _packed_products(model: nn.Module) -> list[PackedWeight]:
     """The packed weights that multiply activations: linears, and tied heads (a packed
     embedding that is only looked up needs no copy)."""
-    out = [m.packed for m in model.modules() if isinstance(m, Linear) and m.packed is not None]
+    out = [p for m in model.modules() if isinstance(m, Linear) and m.packed is not None
+           for p in m.packed.products()]  # fmt: skip
     for m in model.modules():
         table = getattr(m, "embed_tokens", None)
         tied = hasattr(m, "lm_head") and m.lm_head is None

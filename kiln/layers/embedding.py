@@ -8,7 +8,7 @@ from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pairs_linear, unpack_pairs
 from kiln.layers.linear import onednn_linear, pack_for_cpu, prepack_for_cpu
 from kiln.layers.packed import PackedWeight, QuantizedTensor, unpackable_reason
-from kiln.layers.packed_q6k import PackedQ6K, packed_weight
+from kiln.layers.packed_q6k import packed_weight
 
 
 class VocabEmbedding(nn.Module):
@@ -25,9 +25,7 @@ class VocabEmbedding(nn.Module):
 
     @property
     def layout(self) -> str:
-        if self.packed is None:
-            return "dense"
-        return "q6_k" if isinstance(self.packed, PackedQ6K) else "int4"
+        return "dense" if self.packed is None else self.packed.layout
 
     def load_weight(self, name: str, weight: torch.Tensor | QuantizedTensor) -> None:
         if tuple(weight.shape) != tuple(self.weight.shape):

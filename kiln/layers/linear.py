@@ -18,8 +18,8 @@ from torch import nn
 
 from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pack_pairs, pairs_linear, pairs_runs, unpack_pairs
-from kiln.layers.packed import PackedWeight, QuantizedTensor, cat_rows, unpackable_reason
-from kiln.layers.packed_q6k import PackedQ6K, packed_weight
+from kiln.layers.packed import PackedWeight, QuantizedTensor
+from kiln.layers.packed_parts import pack_parts
 
 
 class Linear(nn.Module):
@@ -30,8 +30,8 @@ class Linear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
-        # or "pairs" (kiln's bf16 kernel), "onednn" (prepacked), "transposed", "int4" or "q6_k"
-        # (packed)
+        # or "pairs" (kiln's bf16 kernel), "onednn" (prepacked), "transposed", or a packed
+        # module's layout ("int4", "q6_k", "parts")
         self.layout = "dense"
         self.packed: PackedWeight | None = None
         self.quantized_parts: dict[int, QuantizedTensor] = {}  # first row -> part, until packed
@@ -95,20 +95,16 @@ class Linear(nn.Module):
             self.layout = "transposed"
 
     def _pack(self, device: torch.device) -> None:
-        """Pack the quantized parts if they cover the layer in one format a kernel runs;
-        otherwise dequantize them into the dense weight (the reason is kept for the report)."""
+        """Pack the quantized parts if they cover the layer in formats a kernel runs (runs of
+        parts in different formats packed apart); otherwise dequantize them into the dense
+        weight (the reason is kept for the report)."""
         starts = sorted(self.quantized_parts)
         parts = [self.quantized_parts[start] for start in starts]
         self.quantized_parts = {}
-        whole = cat_rows(parts) if _one_format(parts) else None
-        if whole is None or whole.shape != tuple(self.weight.shape):
-            self.fallback_reason = "its parts mix quantized and dense formats"
-        else:
-            self.fallback_reason = unpackable_reason(whole, device)
-        if self.fallback_reason is None:
-            self.packed = packed_weight(whole, device)
+        self.packed, self.fallback_reason = pack_parts(parts, self.out_features, device)
+        if self.packed is not None:
             self.weight = None  # type: ignore[assignment]
-            self.layout = "q6_k" if isinstance(self.packed, PackedQ6K) else "int4"
+            self.layout = self.packed.layout
             return
         for start, part in zip(starts, parts):
             self.weight.data[start : start + part.shape[0]] = part.dequantize()
@@ -127,13 +123,6 @@ class Linear(nn.Module):
             y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)
             return y.view(*x.shape[:-1], y.shape[-1])
         return F.linear(x, self.weight, self.bias)
-
-
-def _one_format(parts: list[QuantizedTensor]) -> bool:
-    first = parts[0]
-    return all(
-        len(p.planes) == len(first.planes) and p.group_size == first.group_size for p in parts
-    )
 
 
 def onednn_runs(dtype: torch.dtype) -> bool:

@@ -139,10 +139,11 @@ class PackedWeight(nn.Module):
     """What every packed matrix shares: its shape, how a step's rows go into its kernel, and the
     dense copy a half-precision model may keep beside it for large batches."""
 
-    def __init__(self, t: QuantizedTensor) -> None:
+    layout = "packed"  # Linear's and the embedding's name for it
+
+    def __init__(self, kind: str, out_features: int, in_features: int) -> None:
         super().__init__()
-        self.out_features, self.in_features = t.shape
-        self.kind = t.kind
+        self.kind, self.out_features, self.in_features = kind, out_features, in_features
         self.int8_planes = 0  # rows into kiln's CPU kernels as int8 planes (--packed-activations)
         # oneDNN copy for large batches (CPU only); a parameter, as Linear's oneDNN weight is:
         # the compile cache's trace cannot save an oneDNN tensor held as a buffer
@@ -160,6 +161,10 @@ class PackedWeight(nn.Module):
     def describe(self) -> str:
         """What the weight became, for `kiln info`."""
         raise NotImplementedError
+
+    def products(self) -> list[PackedWeight]:
+        """The packed matrices that multiply rows, each of which may keep a dense copy."""
+        return [self]
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         """This weight dequantized to `dtype`, [N padded, in]: padded with zero rows as the
@@ -187,8 +192,10 @@ class PackedWeight(nn.Module):
 class PackedInt4(PackedWeight):
     """The packed planes of one weight matrix, its matmul and its rows."""
 
+    layout = "int4"
+
     def __init__(self, t: QuantizedTensor, device: torch.device) -> None:
-        super().__init__(t)
+        super().__init__(t.kind, *t.shape)
         self.group_size, self.num_planes = t.group_size, len(t.planes)
         self.block_n = cpu_block_n() if device.type == "cpu" else 0  # a constant when traced
         for i, plane in enumerate(t.planes):

@@ -29,8 +29,10 @@ from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 class PackedQ6K(PackedWeight):
     """One Q6_K matrix in kiln's layout, its matmul and its rows (CPU only)."""
 
+    layout = "q6_k"
+
     def __init__(self, t: QuantizedTensor) -> None:
-        super().__init__(t)
+        super().__init__(t.kind, *t.shape)
         packed = pack_q6k(t.planes[0])  # type: ignore[arg-type]
         for name in ("low", "high", "sub_scales", "d"):
             self.register_buffer(name, getattr(packed, name))
