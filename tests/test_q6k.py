@@ -183,3 +183,20 @@ def test_dense_copies_for_prefill_are_kept_per_packed_run():
     dense = layer.packed.dequantize()
     ref = x.float() @ dense.t()
     torch.testing.assert_close(layer(x).float(), ref, rtol=0, atol=2**-7 * ref.abs().max().item())
+
+
+@needs_kernel
+def test_the_op_and_its_fake_agree():
+    """torch.compile traces the op through its fake: dtype and shape on both paths, for each
+    rows dtype (fp16 rows come back float32, rounded once by the layer), and the kernel refuses
+    rows of the wrong width instead of reading past them."""
+    w = pack_q6k(_random_codes(64, 256, seed=4))
+    tensors = (w.low, w.high, w.sub_scales, w.d)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows in (1, DEQUANT_MIN_ROWS):
+            x = torch.randn(rows, 256).to(dtype)
+            torch.library.opcheck(torch.ops.kiln.q6k_mm.default, (x, *tensors, None, 2))
+            y = torch.ops.kiln.q6k_mm(x, *tensors, None, 2)
+            assert y.dtype == (torch.float32 if dtype == torch.float16 else dtype)
+    with pytest.raises(ValueError, match="256 columns"):
+        q6k_matmul_kernel().matmul(torch.randn(1, 100), w, torch.float32)

@@ -8,7 +8,7 @@ from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pairs_linear, unpack_pairs
 from kiln.layers.linear import onednn_linear, pack_for_cpu, prepack_for_cpu
 from kiln.layers.packed import PackedWeight, QuantizedTensor, unpackable_reason
-from kiln.layers.packed_q6k import packed_weight
+from kiln.layers.packed_parts import packed_weight
 
 
 class VocabEmbedding(nn.Module):

@@ -1,6 +1,7 @@
 """The linear layer interface; models only ever construct `Linear`. A checkpoint part that
-arrives 4-bit (`QuantizedTensor`: GGUF Q4/Q8, GPTQ, AutoRound) is kept packed when every part of
-the layer is and a kernel runs it (kiln/layers/packed.py), else dequantized into the dense weight.
+arrives quantized (`QuantizedTensor`: GGUF Q4/Q8/Q6_K, GPTQ, AutoRound) is kept packed when every
+part of the layer is and a kernel runs it (kiln/layers/packed_parts.py: one packed matrix, or
+runs of parts in different formats each packed), else dequantized into the dense weight.
 
 After loading, `finalize` picks the layout the device runs fastest. On the CPU a bf16 weight
 on a CPU with AVX512-BF16 is packed in pairs for kiln's own kernel

@@ -1,6 +1,8 @@
-"""Weights kept 4-bit packed: PyTorch's own int4 kernels, no extension built at install.
+"""Weights kept 4-bit packed: PyTorch's own int4 kernels, no extension built at install; and
+`PackedWeight`, what every packed matrix shares (GGUF's Q6_K keeps 6-bit codes of its own:
+kiln/layers/packed_q6k.py).
 
-Every packed format here is one or two planes of 4-bit codes with an affine map per group of
+Every 4-bit format here is one or two planes of 4-bit codes with an affine map per group of
 `group_size` input columns: w[n, k] = (code[n, k] - 8) * scale[n, g] + zero[n, g], g = k // G.
 That is the map of PyTorch's int4 kernels (`_weight_int4pack_mm_for_cpu`, tinygemm's
 `_weight_int4pack_mm` on CUDA), which take bf16 activations and a [K/G, N, 2] bf16 table of
@@ -82,6 +84,7 @@ class Int4Codes:
 
     @staticmethod
     def cat(planes: list[Int4Codes]) -> Int4Codes:
+        """Planes of one group size stacked by rows."""
         fields = (torch.cat([getattr(p, f) for p in planes]) for f in ("codes", "scale", "zero"))
         return Int4Codes(*fields, planes[0].group_size)
 
@@ -160,6 +163,10 @@ class PackedWeight(nn.Module):
 
     def describe(self) -> str:
         """What the weight became, for `kiln info`."""
+        raise NotImplementedError
+
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Dequantized rows `ids` in `dtype` (an embedding lookup)."""
         raise NotImplementedError
 
     def products(self) -> list[PackedWeight]:

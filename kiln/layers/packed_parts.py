@@ -10,8 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.layers.packed import PackedWeight, QuantizedTensor, cat_rows, unpackable_reason
-from kiln.layers.packed_q6k import packed_weight
+from kiln.layers.packed import (
+    PackedInt4,
+    PackedWeight,
+    QuantizedTensor,
+    cat_rows,
+    unpackable_reason,
+)
+from kiln.layers.packed_q6k import PackedQ6K
+from kiln.layers.q6k_layout import Q6KCodes
 
 
 class PackedParts(PackedWeight):
@@ -45,6 +52,11 @@ class PackedParts(PackedWeight):
 
     def dequantize(self) -> torch.Tensor:
         return torch.cat([part.dequantize() for part in self.parts])
+
+
+def packed_weight(t: QuantizedTensor, device: torch.device) -> PackedWeight:
+    """The packed module of `t` (unpackable_reason(t, device) is None): Q6_K's own, or int4."""
+    return PackedQ6K(t) if isinstance(t.planes[0], Q6KCodes) else PackedInt4(t, device)
 
 
 def pack_parts(

@@ -17,13 +17,12 @@ from kiln.layers.bf16_kernel import has_amx
 from kiln.layers.packed import (
     _LIB,
     DEQUANT_MIN_ROWS,
-    PackedInt4,
     PackedWeight,
     QuantizedTensor,
     dense_product,
 )
 from kiln.layers.q6k_kernel import DTYPES, q6k_matmul_kernel
-from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
+from kiln.layers.q6k_layout import Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
 
 
 class PackedQ6K(PackedWeight):
@@ -66,15 +65,12 @@ class PackedQ6K(PackedWeight):
         return kernel.dequantize_t(self.packed, torch.float32).t()[: self.out_features]
 
 
-def packed_weight(t: QuantizedTensor, device: torch.device) -> PackedWeight:
-    """The packed module of `t` (unpackable_reason(t, device) is None): Q6_K's own, or int4."""
-    return PackedQ6K(t) if isinstance(t.planes[0], Q6KCodes) else PackedInt4(t, device)
-
-
 def _output_dtype(rows: torch.Tensor, dense: torch.Tensor | None) -> torch.dtype:
+    """The dense copy's dtype, else the rows' where the kernel writes it (float32, bf16), else
+    float32 (fp16 rows: the layer rounds once, to fp16)."""
     if dense is not None:
         return dense.dtype
-    return torch.float32 if rows.dtype == torch.float32 else torch.bfloat16
+    return rows.dtype if rows.dtype in DTYPES else torch.float32
 
 
 def q6k_matmul(
@@ -96,12 +92,12 @@ def q6k_matmul(
     dtype = _output_dtype(rows, dense)
     kernel = q6k_matmul_kernel()
     w = Q6KPacked(low, high, sub_scales, d)
+    inner = dtype if dtype in DTYPES else torch.float32  # an fp16 dense copy's rows
     if rows.shape[0] >= DEQUANT_MIN_ROWS and (int8_planes == 0 or has_amx()):
-        weight = kernel.dequantize_t(w, dtype if dtype in DTYPES else torch.float32)
-        return (rows.to(weight.dtype) @ weight).to(dtype)
+        weight = kernel.dequantize_t(w, inner)
+        return (rows.to(inner) @ weight).to(dtype)
     rows = (rows if rows.dtype in DTYPES else rows.float()).contiguous()
-    return kernel.matmul(rows, w, dtype if dtype in DTYPES else torch.float32,
-                         int8_planes or 2).to(dtype)  # fmt: skip
+    return kernel.matmul(rows, w, inner, int8_planes or 2).to(dtype)
 
 
 _LIB.define(

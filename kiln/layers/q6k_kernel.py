@@ -36,6 +36,11 @@ class Q6KMatmulKernel:
         per 32 columns (1: 8 bits of each value, 2: 16)."""
         r, k = rows.shape
         n = w.sub_scales.shape[1]
+        if k != w.low.shape[1] * 2 or not rows.is_contiguous() or rows.dtype not in DTYPES:
+            raise ValueError(
+                f"contiguous float32 or bf16 rows of {w.low.shape[1] * 2} columns, not "
+                f"{rows.dtype} {tuple(rows.shape)}"
+            )
         out = torch.empty(r, n, dtype=dtype)
         self.library.kiln_q6k_mm(
             DTYPES[rows.dtype], rows.data_ptr(), r, k, w.low.data_ptr(), w.high.data_ptr(),

@@ -31,6 +31,8 @@ class Q6KCodes:
     sub_scale: torch.Tensor  # int8 [N, K // 16]
     d: torch.Tensor  # float32 [N, K // 256]
 
+    # the finest scale's columns, as Int4Codes.group_size: what fused layers and experts
+    # compare (with the plane's type) to tell formats apart
     group_size = SUB
 
     def dequantize(self) -> torch.Tensor:
@@ -44,6 +46,7 @@ class Q6KCodes:
 
     @staticmethod
     def cat(planes: list[Q6KCodes]) -> Q6KCodes:
+        """Matrices stacked by rows."""
         return Q6KCodes(
             *(torch.cat([getattr(p, f) for p in planes]) for f in ("codes", "sub_scale", "d"))
         )

@@ -86,9 +86,10 @@ def q8_0(blocks: np.ndarray) -> list[Int4Codes]:
 
 
 def q6_k(blocks: np.ndarray) -> list[Q6KCodes]:
-    """Each 128 columns of a block take 64 bytes of low 4 bits (columns 0-31 and 64-95 in the
-    low nibbles of bytes 0-31, 32-63 and 96-127 in those of 32-63) and 32 bytes of top 2 bits
-    (columns 0-31, 32-63, 64-95, 96-127 in bits 0-1, 2-3, 4-5, 6-7 of byte l)."""
+    """Each 128 columns of a block take 64 bytes of low 4 bits (columns 0-31 in the low nibbles
+    of bytes 0-31, 32-63 in those of bytes 32-63, 64-95 and 96-127 in their high nibbles) and 32
+    bytes of top 2 bits (columns l, 32 + l, 64 + l, 96 + l in bits 0-1, 2-3, 4-5, 6-7 of byte
+    l)."""
     n = blocks.shape[0]
     ql = blocks[..., :128].reshape(*blocks.shape[:-1], 2, 2, 32)  # [.., half, byte half, l]
     qh = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)

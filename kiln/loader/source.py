@@ -19,7 +19,7 @@ class ModelSource(ABC):
         self, dtype: torch.dtype, keep_packed: bool = False
     ) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         """Checkpoint tensors under HF names, in `dtype`; with `keep_packed`, matrices stored
-        in a 4-bit-packable format come as QuantizedTensor instead."""
+        in a packable format (4-bit planes, Q6_K) come as QuantizedTensor instead."""
 
     @abstractmethod
     def load_tokenizer(self) -> Tokenizer: ...
