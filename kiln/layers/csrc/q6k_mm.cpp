@@ -98,6 +98,13 @@ void run_block_portable(const Problem& p, int64_t block) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define KILN_Q6K_VNNI 1
 constexpr int64_t CODES_AHEAD = 1024;  // bytes of low nibbles asked for ahead (as int4_mm.cpp)
+// A block's sub-scales lie n bytes apart, one cache line each 16 columns (and its d's 256
+// bytes each 256): streams the hardware prefetchers do not follow, asked for explicitly this
+// many sub-scales ahead (0: not asked for; benchmarks/q6k_kernel.py --scales-ahead builds both)
+#ifndef KILN_Q6K_SCALES_AHEAD
+#define KILN_Q6K_SCALES_AHEAD 4
+#endif
+constexpr int64_t SCALES_AHEAD = KILN_Q6K_SCALES_AHEAD;
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
@@ -137,7 +144,10 @@ void block_rows(const Problem& p, int64_t block, int64_t m0) {
     __m512 facc[R][4];
     for (int r = 0; r < R; ++r)
       for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
+    if (SCALES_AHEAD > 0)  // the next d's four lines; past the end is harmless
+      for (int64_t line = 0; line < 64; line += 16) prefetch(p.d + (s + 1) * p.n + n0 + line);
     for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+      if (SCALES_AHEAD > 0) prefetch(p.sub_scales + (sub + SCALES_AHEAD) * p.n + n0);
       __m512i acc[P][R][4];
       for (int q = 0; q < P; ++q)
         for (int r = 0; r < R; ++r)
