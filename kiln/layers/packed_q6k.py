@@ -37,7 +37,8 @@ class PackedQ6K(PackedWeight):
             self.register_buffer(name, getattr(packed, name))
 
     @property
-    def packed(self) -> Q6KPacked:
+    def tensors(self) -> Q6KPacked:
+        """The buffers as the kernel and the layout's readers take them."""
         return Q6KPacked(self.low, self.high, self.sub_scales, self.d)
 
     @property
@@ -56,13 +57,13 @@ class PackedQ6K(PackedWeight):
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Dequantized rows `ids` (an embedding lookup)."""
-        return q6k_rows(self.packed, ids).to(dtype)
+        return q6k_rows(self.tensors, ids).to(dtype)
 
     def dequantize(self) -> torch.Tensor:
         kernel = q6k_matmul_kernel()
         if kernel is None:
-            return q6k_dequantize(self.packed)[: self.out_features]
-        return kernel.dequantize_t(self.packed, torch.float32).t()[: self.out_features]
+            return q6k_dequantize(self.tensors)[: self.out_features]
+        return kernel.dequantize_t(self.tensors, torch.float32).t()[: self.out_features]
 
 
 def _output_dtype(rows: torch.Tensor, dense: torch.Tensor | None) -> torch.dtype:
