@@ -35,6 +35,9 @@ namespace {
 
 using kiln_bf16::bf16_to_float;
 using kiln_int8_rows::CHUNK;
+#if defined(__AVX512F__)
+using kiln_int8_rows::quad_index;
+#endif
 using kiln_int8_rows::quantize_rows;
 
 // A block's codes are one sequential stream, but each group's (scale, zero) pairs lie n * 4
@@ -237,16 +240,6 @@ struct Int8Problem {
   int64_t n, group;
   float* out;
 };
-
-// Lane r of the gather: byte j of a (columns k, k + 1) or b (columns k + 2, k + 3), row r0 + r.
-inline __m512i quad_index(int r0) {
-  alignas(64) uint8_t idx[64];
-  for (int r = 0; r < 16; ++r) {
-    const int row = r0 + r;
-    idx[4 * r] = row, idx[4 * r + 1] = 32 + row, idx[4 * r + 2] = 64 + row, idx[4 * r + 3] = 96 + row;
-  }
-  return _mm512_load_si512(idx);
-}
 
 // Rows m0 .. m0 + R of block `block`: acc[r][j] holds outputs n0 + 16 j .. + 16 of row r.
 template <int R, int P, int TERMS>
@@ -492,31 +485,15 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
   }
 }
 
-// kiln_int4_mm over rows and an output of either type (dtype 0 float32, 1 bf16): bf16 rows
-// widened here, a bf16 output rounded once (to nearest even) from the float32 sums, as the
-// caller's own conversions did, which cost more than the kernel's arithmetic at one row.
+// kiln_int4_mm over rows and an output of either type (dtype 0 float32, 1 bf16), converted
+// inside the call (kiln_bf16::in_float32)
 void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* packed,
                        const uint16_t* scales_zeros, int terms, int64_t n, int64_t block,
                        int64_t group, int out_dtype, void* out, int threads, int int8_planes) {
-  std::vector<float> xf, yf;
-  const float* xs = static_cast<const float*>(x);
-  if (x_dtype == 1) {
-    xf.resize(rows * k);
-    const uint16_t* xb = static_cast<const uint16_t*>(x);
-    for (int64_t i = 0; i < rows * k; ++i) xf[i] = bf16_to_float(xb[i]);
-    xs = xf.data();
-  }
-  float* ys = static_cast<float*>(out);
-  if (out_dtype == 1) {
-    yf.resize(rows * n);
-    ys = yf.data();
-  }
-  kiln_int4_mm(xs, rows, k, packed, scales_zeros, terms, n, block, group, ys, 0, threads,
-               int8_planes);
-  if (out_dtype == 1) {
-    uint16_t* yb = static_cast<uint16_t*>(out);
-    for (int64_t i = 0; i < rows * n; ++i) yb[i] = kiln_bf16::float_to_bf16(ys[i]);
-  }
+  kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
+    kiln_int4_mm(xs, rows, k, packed, scales_zeros, terms, n, block, group, ys, 0, threads,
+                 int8_planes);
+  });
 }
 
 // W^T [k, n] (out_dtype 0 float32, 1 bf16) from the packed weight, as cpu_dequantize_t makes

@@ -1,10 +1,14 @@
-// Rows of activations as int8 planes per chunk of 32 columns, as llama.cpp's Q8 rows: shared by
-// the packed-weight kernels' int8 paths (int4_mm.cpp, q6k_mm.cpp).
+// Rows of activations as int8 planes per chunk of 32 columns, as llama.cpp's Q8 rows, and the
+// gather of the int4 layout's codes into vpdpbusd's lanes: shared by the packed-weight kernels'
+// int8 paths (int4_mm.cpp, q6k_mm.cpp).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 namespace kiln_int8_rows {
 
@@ -34,5 +38,19 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, i
     }
   }
 }
+
+#if defined(__AVX512F__)
+// The gather of a quad of columns of PyTorch's CPU int4 layout (blocks of 64 rows, a column's 32
+// bytes side by side) into vpdpbusd's lanes: lane r takes byte j of a (columns k, k + 1) or b
+// (columns k + 2, k + 3) for row r0 + r, so one vpermt2b gives each row its four columns.
+inline __m512i quad_index(int r0) {
+  alignas(64) uint8_t idx[64];
+  for (int r = 0; r < 16; ++r) {
+    const int row = r0 + r;
+    idx[4 * r] = row, idx[4 * r + 1] = 32 + row, idx[4 * r + 2] = 64 + row, idx[4 * r + 3] = 96 + row;
+  }
+  return _mm512_load_si512(idx);
+}
+#endif
 
 }  // namespace kiln_int8_rows

@@ -34,9 +34,11 @@
 
 namespace {
 
-using kiln_bf16::bf16_to_float;
 using kiln_bf16::float_to_bf16;
 using kiln_int8_rows::CHUNK;
+#if defined(__AVX512F__)
+using kiln_int8_rows::quad_index;
+#endif
 
 constexpr int64_t BLOCK = 64;   // output rows a block
 constexpr int64_t SUB = 16;     // columns a sub-scale
@@ -107,16 +109,6 @@ constexpr int64_t CODES_AHEAD = 1024;  // bytes of low nibbles asked for ahead (
 constexpr int64_t SCALES_AHEAD = KILN_Q6K_SCALES_AHEAD;
 
 inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
-
-// Lane r of the gather: byte j of a (columns k, k + 1) or b (columns k + 2, k + 3), row r0 + r.
-inline __m512i quad_index(int r0) {
-  alignas(64) uint8_t idx[64];
-  for (int r = 0; r < 16; ++r) {
-    const int row = r0 + r;
-    idx[4 * r] = row, idx[4 * r + 1] = 32 + row, idx[4 * r + 2] = 64 + row, idx[4 * r + 3] = 96 + row;
-  }
-  return _mm512_load_si512(idx);
-}
 
 // A quad of columns as q (0..63) in dpbusd's lanes, outputs 16 j .. 16 j + 15 in w[j].
 inline void quad_codes(const uint8_t* low, const uint8_t* high, __m512i idx0, __m512i idx1,
@@ -280,24 +272,10 @@ int kiln_q6k_vectorized() {
 void kiln_q6k_mm(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* low,
                  const uint8_t* high, const int8_t* sub_scales, const float* d, int64_t n,
                  int out_dtype, void* out, int planes, int threads, int portable) {
-  std::vector<float> xf, yf;
-  const float* xs = static_cast<const float*>(x);
-  if (x_dtype == 1) {
-    xf.resize(rows * k);
-    const uint16_t* xb = static_cast<const uint16_t*>(x);
-    for (int64_t i = 0; i < rows * k; ++i) xf[i] = bf16_to_float(xb[i]);
-    xs = xf.data();
-  }
-  float* ys = static_cast<float*>(out);
-  if (out_dtype == 1) {
-    yf.resize(rows * n);
-    ys = yf.data();
-  }
-  q6k_mm(xs, rows, k, low, high, sub_scales, d, n, ys, planes == 2 ? 2 : 1, threads, portable != 0);
-  if (out_dtype == 1) {
-    uint16_t* yb = static_cast<uint16_t*>(out);
-    for (int64_t i = 0; i < rows * n; ++i) yb[i] = float_to_bf16(ys[i]);
-  }
+  kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
+    q6k_mm(xs, rows, k, low, high, sub_scales, d, n, ys, planes == 2 ? 2 : 1, threads,
+           portable != 0);
+  });
 }
 
 // W^T [k, n] (out_dtype 0 float32, 1 bf16): the large-batch path's weight
