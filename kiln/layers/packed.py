@@ -33,6 +33,7 @@ DENSE_MIN_ROWS rows; smaller batches (decode steps) stream the 4-bit planes."""
 
 from __future__ import annotations
 
+import abc
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,7 +139,7 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     return None
 
 
-class PackedWeight(nn.Module):
+class PackedWeight(nn.Module, abc.ABC):
     """What every packed matrix shares: its shape, how a step's rows go into its kernel, and the
     dense copy a half-precision model may keep beside it for large batches."""
 
@@ -153,21 +154,17 @@ class PackedWeight(nn.Module):
         self.register_parameter("dense", None)
 
     @property
+    @abc.abstractmethod
     def padded_out(self) -> int:
         """The output width of the kernels: out_features padded to their block."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K] as the kernels see the weight."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def describe(self) -> str:
         """What the weight became, for `kiln info`."""
-        raise NotImplementedError
-
-    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """Dequantized rows `ids` in `dtype` (an embedding lookup)."""
-        raise NotImplementedError
 
     def products(self) -> list[PackedWeight]:
         """The packed matrices that multiply rows, each of which may keep a dense copy."""
