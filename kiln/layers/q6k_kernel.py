@@ -14,16 +14,18 @@ from pathlib import Path
 
 import torch
 
-from kiln.layers.int4_kernel import quantized_rows
+from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "q6k_mm.cpp"
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the rows' and the output's
+DTYPES = CAST_DTYPES  # the rows' and the output's, coded as the int4 kernel codes them
 
 
 @dataclass(frozen=True)
 class Q6KMatmulKernel:
+    """The loaded library: `matmul` multiplies rows by a Q6_K weight, `dequantize_t` reads it."""
+
     library: ctypes.CDLL
     vectorized: bool  # AVX512-VNNI with VBMI: the engine's path
 
