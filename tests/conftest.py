@@ -239,21 +239,22 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
     return str(path)
 
 
-# llama.cpp's Q4_K_M files carry some tensors in Q6_K beside 4-bit ones: these of a Llama with
-# 256 hidden units (Q6_K's blocks are 256 columns); the fused qkv has parts of both
-Q6_K_MIX = {"v_proj": "Q6_K", "self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q8_0",
+# llama.cpp's Q4_K_M and Q5_K_M files carry some tensors in Q6_K beside 4- or 5-bit ones: these
+# of a Llama with 256 hidden units (the K-quants' blocks are 256 columns); the fused qkv has
+# parts of two formats, the fused gate_up is Q5_K
+K_QUANT_MIX = {"v_proj": "Q6_K", "self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q5_K",
             "embed": "Q6_K", "lm_head": "Q6_K"}  # fmt: skip
 
 
-def q6_k_mix_kind(name: str):
+def k_quant_mix_kind(name: str):
     import gguf
 
-    return gguf.GGMLQuantizationType[next(k for part, k in Q6_K_MIX.items() if part in name)]
+    return gguf.GGMLQuantizationType[next(k for part, k in K_QUANT_MIX.items() if part in name)]
 
 
-def q6_k_mix_llama():
+def k_quant_mix_llama():
     """A random 2-layer Llama with 256 hidden units and its own head (seeded): wide enough for
-    Q6_K, with the tiny models' vocabulary (their tokenizer)."""
+    the K-quants, with the tiny models' vocabulary (their tokenizer)."""
     import transformers
 
     torch.manual_seed(1)
@@ -265,12 +266,12 @@ def q6_k_mix_llama():
 
 
 @pytest.fixture(scope="session")
-def q6_k_mix_gguf(tmp_path_factory) -> str:
-    """`q6_k_mix_llama` as a GGUF of Q6_K_MIX's types (tokenizer: tiny_models["llama"])."""
+def k_quant_mix_gguf(tmp_path_factory) -> str:
+    """`k_quant_mix_llama` as a GGUF of K_QUANT_MIX's types (tokenizer: tiny_models["llama"])."""
     from tests.gguf_files import write_gguf
 
     path = tmp_path_factory.mktemp("packed") / "q6k-mix.gguf"
-    write_gguf(path, q6_k_mix_llama(), q6_k_mix_kind)
+    write_gguf(path, k_quant_mix_llama(), k_quant_mix_kind)
     return str(path)
 
 

@@ -127,27 +127,32 @@ def test_graph_modes_of_an_moe_model_equal_eager(tiny_models, graph_mode, mode, 
     assert st.graphs["graph_misses"] == 0 and st.num_preemptions > 0
 
 
-PACKED_GGUFS = {"llama": "packed_gguf", "qwen3_moe": "packed_moe_gguf", "q6_k": "q6_k_mix_gguf"}
+PACKED_GGUFS = {
+    "llama": "packed_gguf",
+    "qwen3_moe": "packed_moe_gguf",
+    "k_quants": "k_quant_mix_gguf",
+}
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "q6_k"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "k_quants"])
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
 def test_graph_modes_of_a_packed_model_equal_eager(
     request, tiny_models, model, graph_mode, mode, backend, ran
 ):
     """Packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
-    count at run time; the packed experts' op; Q6_K's own op beside int4 ones, where this CPU
-    runs it) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
-    q6k = model == "q6_k"
-    if q6k and q6k_matmul_kernel() is None:
-        pytest.skip("kiln's Q6_K kernel needs AVX512-VNNI and AVX512-VBMI")
+    count at run time; the packed experts' op; Q6_K's and Q5_K's own ops beside int4 ones, where
+    this CPU runs them) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
+    k_quants = model == "k_quants"
+    if k_quants and q6k_matmul_kernel() is None:
+        pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
     path = request.getfixturevalue(PACKED_GGUFS[model])
-    tokenizer = tiny_models["llama" if q6k else model]
-    kv = PREEMPTING * (4 if q6k else 1)  # its KV is 4x the tiny models' a token
+    tokenizer = tiny_models["llama" if k_quants else model]
+    kv = PREEMPTING * (4 if k_quants else 1)  # its KV is 4x the tiny models' a token
     engine = _engine(path, graph_mode, mode, backend, kv=kv, tokenizer=tokenizer)
     mlp = engine.runner.model.layers[0].mlp
     if model != "qwen3_moe":
-        assert mlp.down_proj.layout == ("q6_k" if q6k else "int4")
+        assert mlp.down_proj.layout == ("q6_k" if k_quants else "int4")
+        assert mlp.gate_up_proj.layout == ("q5_k" if k_quants else "int4")
     else:
         assert set(mlp.experts.packed) == {"gate_up_proj", "down_proj"}
     finals, logits = run_schedule(engine, _workload(), record_logits=True)

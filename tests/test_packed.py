@@ -11,6 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from kiln.layers.kquant_kernel import kquant_matmul_kernel
 from kiln.layers.linear import Linear
 from kiln.layers.packed import (
     DEQUANT_MIN_ROWS,
@@ -237,27 +238,29 @@ def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, pa
     torch.testing.assert_close(dense, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_a_gguf_with_q6_k_tensors_matches_hf(q6_k_mix_gguf, tokenizer_dir):
-    """As llama.cpp's Q4_K_M files carry them, Q6_K tensors (here the MLP's down projection, v,
-    the embedding and the head of a Llama with 256 hidden units) beside int4-packed ones: the Q6_K
-    tensors stay packed on kiln's Q6_K kernel where this CPU runs it (else they are dequantized
-    at load); kiln's logits against HF transformers on the same values dequantized by the gguf
-    package, within a few bf16 ulps, and the same greedy picks."""
-    from tests.conftest import q6_k_mix_kind, q6_k_mix_llama
+def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(k_quant_mix_gguf, tokenizer_dir):
+    """As llama.cpp's Q4_K_M and Q5_K_M files carry them, Q6_K tensors (here the MLP's down
+    projection, v, the embedding and the head of a Llama with 256 hidden units) and Q5_K ones
+    (gate and up) beside int4-packed ones: the Q6_K and Q5_K tensors stay packed on kiln's Q6_K
+    and K-quant kernels where this CPU runs them (else they are dequantized at load); kiln's
+    logits against HF transformers on the same values dequantized by the gguf package, within
+    a few bf16 ulps, and the same greedy picks."""
+    from tests.conftest import k_quant_mix_kind, k_quant_mix_llama
     from tests.gguf_files import quantize
 
-    hf = q6_k_mix_llama()
+    hf = k_quant_mix_llama()
     with torch.no_grad():  # the reference: the same quantized values, dequantized
         for name, p in hf.named_parameters():
             if p.ndim == 2:
-                q = quantize(p.numpy(), q6_k_mix_kind(name))
-                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, q6_k_mix_kind(name))))
+                q = quantize(p.numpy(), k_quant_mix_kind(name))
+                p.copy_(torch.from_numpy(gguf.quants.dequantize(q, k_quant_mix_kind(name))))
     prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    # with the kernel: per layer a qkv of two packed runs (3 modules), o, gate_up and down;
-    # without, the qkv and down dequantized
-    q6k = q6k_matmul_kernel() is not None
-    ours, tokens = _greedy_logits(q6_k_mix_gguf, "auto", prompt, tokenizer_dir,
-                                  packed_layers=2 * 6 + 2 if q6k else 2 * 2)  # fmt: skip
+    # with the kernels: per layer a qkv of two packed runs (3 modules), o, gate_up and down;
+    # without (both need the same CPU), the qkv, gate_up and down dequantized
+    kernels = q6k_matmul_kernel() is not None
+    assert (kquant_matmul_kernel() is not None) == kernels
+    ours, tokens = _greedy_logits(k_quant_mix_gguf, "auto", prompt, tokenizer_dir,
+                                  packed_layers=2 * 6 + 2 if kernels else 2 * 1)  # fmt: skip
     with torch.no_grad():
         ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
     torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())

@@ -1,6 +1,6 @@
 """Weights kept 4-bit packed: PyTorch's own int4 kernels, no extension built at install; and
-`PackedWeight`, what every packed matrix shares (GGUF's Q6_K keeps 6-bit codes of its own:
-kiln/layers/packed_q6k.py).
+`PackedWeight`, what every packed matrix shares (GGUF's Q6_K and Q5_K keep codes of their
+own: kiln/layers/packed_q6k.py, kiln/layers/packed_kquant.py).
 
 Every 4-bit format here is one or two planes of 4-bit codes with an affine map per group of
 `group_size` input columns: w[n, k] = (code[n, k] - 8) * scale[n, g] + zero[n, g], g = k // G.
@@ -52,6 +52,8 @@ from kiln.layers.cpu_int4_layout import (
     scale_only_table,
 )
 from kiln.layers.int4_kernel import CAST_DTYPES, int4_matmul_kernel
+from kiln.layers.kquant_kernel import kquant_matmul_kernel
+from kiln.layers.kquant_layout import KQuantCodes
 from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from kiln.layers.q6k_layout import Q6KCodes
 
@@ -95,7 +97,7 @@ class QuantizedTensor:
     """A checkpoint matrix in a packable format: `kind` names it ("Q4_1", "gptq", ...)."""
 
     kind: str
-    planes: list[Int4Codes] | list[Q6KCodes]
+    planes: list[Int4Codes] | list[Q6KCodes] | list[KQuantCodes]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -118,13 +120,15 @@ def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
 
 
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
-    """Why no kernel runs `t` on `device` (an int4 kernel, or kiln's Q6_K kernel), or None."""
+    """Why no kernel runs `t` on `device` (an int4 kernel, or kiln's Q6_K or K-quant kernel), or
+    None."""
     k = t.shape[1]
-    if isinstance(t.planes[0], Q6KCodes):
+    if isinstance(t.planes[0], (Q6KCodes, KQuantCodes)):
+        name = "Q6_K" if isinstance(t.planes[0], Q6KCodes) else "K-quant"
         if device.type != "cpu":
-            return f"Q6_K stays packed on the CPU only (device {device.type})"
-        if q6k_matmul_kernel() is None:
-            return "kiln's Q6_K kernel needs AVX512-VNNI and AVX512-VBMI and a C++ compiler"
+            return f"{t.kind} stays packed on the CPU only (device {device.type})"
+        if (q6k_matmul_kernel() if name == "Q6_K" else kquant_matmul_kernel()) is None:
+            return f"kiln's {name} kernel needs AVX512-VNNI and AVX512-VBMI and a C++ compiler"
         return None
     if t.group_size not in KERNEL_GROUP_SIZES:
         return f"group size {t.group_size} (the int4 kernels take {KERNEL_GROUP_SIZES})"

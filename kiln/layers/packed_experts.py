@@ -35,7 +35,8 @@ from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     """Why an expert's quantized projection is not kept packed on `device`, or None."""
     if not isinstance(t.planes[0], Int4Codes):
-        return f"{t.kind} experts have no packed kernel (kiln's Q6_K kernel runs whole matrices)"
+        kernels = "kiln's Q6_K and K-quant kernels run whole matrices"
+        return f"{t.kind} experts have no packed kernel ({kernels})"
     if device.type == "cpu":
         return matrix_unpackable_reason(t, device)
     if device.type != "cuda":

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from kiln.layers.kquant_layout import KQuantCodes
 from kiln.layers.packed import (
     PackedInt4,
     PackedWeight,
@@ -17,6 +18,7 @@ from kiln.layers.packed import (
     cat_rows,
     unpackable_reason,
 )
+from kiln.layers.packed_kquant import PackedKQuant
 from kiln.layers.packed_q6k import PackedQ6K
 from kiln.layers.q6k_layout import Q6KCodes
 
@@ -55,8 +57,11 @@ class PackedParts(PackedWeight):
 
 
 def packed_weight(t: QuantizedTensor, device: torch.device) -> PackedWeight:
-    """The packed module of `t` (unpackable_reason(t, device) is None): Q6_K's own, or int4."""
-    return PackedQ6K(t) if isinstance(t.planes[0], Q6KCodes) else PackedInt4(t, device)
+    """The packed module of `t` (unpackable_reason(t, device) is None): Q6_K's own, Q5_K's, or
+    int4."""
+    if isinstance(t.planes[0], Q6KCodes):
+        return PackedQ6K(t)
+    return PackedKQuant(t) if isinstance(t.planes[0], KQuantCodes) else PackedInt4(t, device)
 
 
 def pack_parts(
@@ -75,7 +80,7 @@ def pack_parts(
 
 
 def _form(t: QuantizedTensor) -> tuple:
-    return type(t.planes[0]), len(t.planes), t.group_size
+    return type(t.planes[0]), len(t.planes), t.group_size, getattr(t.planes[0], "bits", None)
 
 
 def _runs_of_one_format(parts: list[QuantizedTensor]) -> list[list[QuantizedTensor]]:

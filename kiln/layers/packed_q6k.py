@@ -3,25 +3,16 @@
 tied head) and some down and value projections in Q6_K, which dequantized to bf16 streamed 2.4
 times the bytes a decode step reads from the file.
 
-A step's rows go into the kernel as int8 planes per 32 columns: two (16 bits of each value)
-unless `--packed-activations int8` asks for one; `float` keeps two, the kernel having no float
-path. Large batches run as the int4 weights do: the dense copy where one is kept
-(`--prefill-weights`), else from DEQUANT_MIN_ROWS rows the weight dequantized and one dense
-matmul."""
+A step's rows meet it as kiln/layers/packed_rows.py says: as int8 planes into the kernel, or
+a large batch through a dense copy or the weight dequantized."""
 
 from __future__ import annotations
 
 import torch
 
-from kiln.layers.bf16_kernel import has_amx
-from kiln.layers.packed import (
-    _LIB,
-    DEQUANT_MIN_ROWS,
-    PackedWeight,
-    QuantizedTensor,
-    dense_product,
-)
-from kiln.layers.q6k_kernel import DTYPES, q6k_matmul_kernel
+from kiln.layers.packed import _LIB, PackedWeight, QuantizedTensor
+from kiln.layers.packed_rows import output_dtype, row_kernel_product
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from kiln.layers.q6k_layout import Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
 
 
@@ -66,14 +57,6 @@ class PackedQ6K(PackedWeight):
         return kernel.dequantize_t(self.tensors, torch.float32).t()[: self.out_features]
 
 
-def _output_dtype(rows: torch.Tensor, dense: torch.Tensor | None) -> torch.dtype:
-    """The dense copy's dtype, else the rows' where the kernel writes it (float32, bf16), else
-    float32 (fp16 rows: the layer rounds once, to fp16)."""
-    if dense is not None:
-        return dense.dtype
-    return rows.dtype if rows.dtype in DTYPES else torch.float32
-
-
 def q6k_matmul(
     rows: torch.Tensor,
     low: torch.Tensor,
@@ -83,22 +66,14 @@ def q6k_matmul(
     dense: torch.Tensor | None = None,
     int8_planes: int = 0,
 ) -> torch.Tensor:
-    """CPU, [R, K] rows times a Q6_K weight -> [R, N padded] in float32 (float32 rows), bf16,
-    or the dense copy's dtype: the dense copy where it takes the batch; from DEQUANT_MIN_ROWS
-    the weight dequantized and one matmul (with int8 planes only where AMX multiplies bf16, as
-    int4_matmul chooses); else kiln's Q6_K kernel, each row alone."""
-    n = sub_scales.shape[1]
-    if dense is not None and (y := dense_product(rows, dense, n)) is not None:
-        return y
-    dtype = _output_dtype(rows, dense)
+    """CPU, [R, K] rows times a Q6_K weight -> [R, N padded] (kiln/layers/packed_rows.py)."""
     kernel = q6k_matmul_kernel()
     w = Q6KPacked(low, high, sub_scales, d)
-    inner = dtype if dtype in DTYPES else torch.float32  # an fp16 dense copy's rows
-    if rows.shape[0] >= DEQUANT_MIN_ROWS and (int8_planes == 0 or has_amx()):
-        weight = kernel.dequantize_t(w, inner)
-        return (rows.to(inner) @ weight).to(dtype)
-    rows = (rows if rows.dtype in DTYPES else rows.float()).contiguous()
-    return kernel.matmul(rows, w, inner, int8_planes or 2).to(dtype)
+    return row_kernel_product(
+        rows, dense, sub_scales.shape[1], int8_planes,
+        lambda x, dtype, planes: kernel.matmul(x, w, dtype, planes),
+        lambda dtype: kernel.dequantize_t(w, dtype),
+    )  # fmt: skip
 
 
 _LIB.define(
@@ -109,7 +84,7 @@ _LIB.impl("q6k_mm", q6k_matmul, "CompositeExplicitAutograd")
 
 
 def _q6k_mm_fake(rows, low, high, sub_scales, d, dense, int8_planes=0) -> torch.Tensor:
-    return rows.new_empty(rows.shape[0], sub_scales.shape[1], dtype=_output_dtype(rows, dense))
+    return rows.new_empty(rows.shape[0], sub_scales.shape[1], dtype=output_dtype(rows, dense))
 
 
 torch.library.register_fake("kiln::q6k_mm", _q6k_mm_fake, lib=_LIB)

@@ -272,7 +272,7 @@ class GGUFSource(ModelSource):
             what = ("fused " if parts[0][1] is not None else "") + (
                 "experts " if "{}" in parts[0][0] else "")  # fmt: skip
             if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) in (2, 3):
-                form = "6-bit codes" if kind == "Q6_K" else "4-bit planes"
+                form = {"Q6_K": "6-bit codes", "Q5_K": "5-bit codes"}.get(kind, "4-bit planes")
                 became[f"{kind} {what}read as {form}"] += 1
                 if len(t.shape) == 3:
                     yield from _expert_planes(parts[0][0], kind, t, parts)

@@ -231,7 +231,7 @@ def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
     if isinstance(t, torch.Tensor):
         return t[:, index]
     g = t.group_size
-    if not isinstance(t.planes[0], Int4Codes):  # Q6_K: its sub-scales and d are not one group
+    if not isinstance(t.planes[0], Int4Codes):  # Q6_K, Q5_K: scales and d are not one group
         return t.dequantize()[:, index]
     groups = index.view(-1, g) if len(index) % g == 0 else None
     whole = groups is not None and bool((groups[:, 0] % g == 0).all())

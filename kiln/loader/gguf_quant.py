@@ -9,10 +9,12 @@ Q8_0 (d, 32 int8): q = 16 hi + lo, two planes: high (hi + 8, scale 16d), low (lo
 zero 8d)
 Q6_K (256 columns: 128 bytes of low 4 bits, 64 of top 2 bits, 16 int8 scales, d): w = d sc (q - 32)
 per 16 columns, read into its own form (kiln/layers/q6k_layout.py), 6 bits a code
+Q5_K (256 columns: d, dmin, 8 six-bit scales and mins, top bits, low 4 bits): w = d sc q - dmin
+mn per 32, read into its own form (kiln/layers/kquant_layout.py), 5 bits a code
 
 Within a block of 32 (Q4_0/Q4_1) the low nibbles of the 16 bytes are columns 0-15 and the high
 nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Other
-types (Q5_x, Q2_K, Q3_K) have no kernel here: the loader dequantizes them."""
+types (Q5_0, Q5_1, Q2_K, Q3_K) have no kernel here: the loader dequantizes them."""
 
 from __future__ import annotations
 
@@ -21,10 +23,11 @@ import warnings
 import numpy as np
 import torch
 
+from kiln.layers.kquant_layout import KQuantCodes
 from kiln.layers.packed import Int4Codes, QuantizedTensor
 from kiln.layers.q6k_layout import Q6KCodes
 
-PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K")
+PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_K")
 GROUP = 32
 
 
@@ -59,7 +62,7 @@ def q4_1(blocks: np.ndarray) -> list[Int4Codes]:
 
 
 def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q4_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins ([..., 8] each)."""
+    """Q4_K's and Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins ([..., 8] each)."""
     s = s.astype(np.uint8)
     low_sc, low_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
     high_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
@@ -116,8 +119,29 @@ def q6_k(blocks: np.ndarray) -> list[Q6KCodes]:
     )]  # fmt: skip
 
 
+def q5_k(blocks: np.ndarray) -> list[KQuantCodes]:
+    """A block: d, dmin, 12 bytes of six-bit scales and mins, 32 bytes of top bits (column 32 s
+    + l's in bit s of byte l), 128 of low 4 bits (each 32 bytes two sub-blocks, low nibbles
+    first, as Q4_K's)."""
+    n, b = blocks.shape[:2]
+    raw = _view(blocks)
+    qh = raw[..., 16:48].reshape(n, b, 1, 32)
+    ql = raw[..., 48:176].reshape(n, b, 4, 1, 32)
+    low = torch.cat([ql & 15, ql >> 4], 3).reshape(n, b, 8, 32)  # [.., sub-block s, l]
+    top = torch.bitwise_right_shift(qh, torch.arange(8, dtype=torch.uint8)[:, None]) & 1
+    return [_k_codes(blocks, (low | top << 4).reshape(n, -1), 5)]
+
+
+def _k_codes(blocks: np.ndarray, codes: torch.Tensor, bits: int) -> KQuantCodes:
+    n = blocks.shape[0]
+    sc, mn = _k_scales_mins(blocks[..., 4:16])
+    d, dmin = (torch.from_numpy(_f16(blocks[..., a : a + 2]).reshape(n, -1)) for a in (0, 2))
+    scale, minimum = (torch.from_numpy(x.reshape(n, -1).astype(np.uint8)) for x in (sc, mn))
+    return KQuantCodes(codes, scale, minimum, d, dmin, bits)
+
+
 _READERS = {"Q4_0": (q4_0, 18, 32), "Q4_1": (q4_1, 20, 32), "Q4_K": (q4_k, 144, 256),
-            "Q8_0": (q8_0, 34, 32), "Q6_K": (q6_k, 210, 256)}  # fmt: skip
+            "Q8_0": (q8_0, 34, 32), "Q6_K": (q6_k, 210, 256), "Q5_K": (q5_k, 176, 256)}  # fmt: skip
 
 
 def gguf_codes(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:

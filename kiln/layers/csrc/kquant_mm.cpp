@@ -1,0 +1,348 @@
+// Rows times a weight kept in GGUF's Q5_K or Q4_K on the CPU, at the file's own bits: per 32
+// columns w = d * sc * q - dmin * mn, q 0..31 (Q5_K) or 0..15 (Q4_K), sc and mn 6-bit unsigned
+// integers per 32 columns, d and dmin one float each per 256.
+//
+// The layout (kiln/layers/kquant_layout.py writes it), in blocks of 64 output rows:
+//   low  [N / 64, K, 32] bytes: q's low 4 bits in PyTorch's CPU int4 layout (byte j of a
+//        column holds row j's in its low nibble and row j + 32's in its high one);
+//   high [N / 64, K / 4, 32] bytes (Q5_K only): q's top bit, a quad of columns 32 bytes: with
+//        p = 4 r + i, byte p % 32 holds in bit 4 (p / 32) + j the bit of row 16 j + r at the
+//        quad's column i;
+//   scales_mins [N / 64, K / 32, 2, 64] uint8: a block's 64 scales, then its 64 mins, per 32
+//        columns; d_dmin [N / 64, K / 256, 2, 64] float32 likewise per 256.
+// Each of the four is one sequential stream per block: in [K / 32, N] tables (as Q6_K's) each
+// 32 columns' scales lay n bytes from the last, and a one-row product ran at 0.65-0.97x the
+// int4 kernel's speed on the same Q4_K matrices; block-major, the prefetchers follow them.
+// 5.75 (Q5_K) or 4.75 (Q4_K) bits a weight; the file's are 5.5 and 4.5 (it packs the 6-bit
+// integers and keeps d in fp16); a Q5_K weight dequantized to bf16 streams 16.
+//
+// Rows go in as int8, one or two planes per 32 columns (kiln_int8_rows), as in q6k_mm.cpp: a
+// quad of columns is two vpermt2b gathers, the nibbles (and top bits) merged into q, and one
+// vpdpbusd per 16 outputs and plane. A sub-block of 32 columns is one chunk of the rows: its
+// int32 sums are scaled by sc and the chunk's scale; the min term, mn times the chunk's sum of
+// the quantized row, is added per 256 columns times dmin.
+//
+// Built at first use by kiln/layers/kquant_kernel.py (-O3 -march=native -fopenmp). The portable
+// loops compute the same sums in the same order: the reference the tests hold the vector path
+// to, bit for bit.
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "bf16.h"
+#include "int8_rows.h"
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+using kiln_bf16::float_to_bf16;
+using kiln_int8_rows::CHUNK;
+#if defined(__AVX512F__)
+using kiln_int8_rows::quad_index;
+#endif
+
+constexpr int64_t BLOCK = 64;   // output rows a block
+constexpr int64_t SUB = 32;     // columns a scale and min: one chunk of the rows
+constexpr int64_t SUPER = 256;  // columns a d and dmin
+static_assert(SUB == CHUNK, "a sub-block is one chunk of the int8 rows");
+
+struct Problem {
+  const int8_t* xq;       // [planes, rows, k]
+  const float* xscale;    // [rows, k / CHUNK]: the first plane's scale
+  const float* row_sums;  // [rows, k / SUB]: the quantized row's sum over each 32, scaled
+  int64_t rows, k, planes;
+  int bits;               // 5: the high plane holds q's top bit; 4: no high plane
+  const uint8_t* low;
+  const uint8_t* high;
+  const uint8_t* scales_mins;
+  const float* d_dmin;
+  int64_t n;
+  float* out;             // [rows, n], added into
+};
+
+// A block's 64 scales of sub-block `sub` (its mins follow them)
+inline const uint8_t* scales_of(const Problem& p, int64_t block, int64_t sub) {
+  return p.scales_mins + (block * (p.k / SUB) + sub) * 2 * BLOCK;
+}
+
+// A block's 64 d of super-block `s` (its dmin follow them)
+inline const float* d_of(const Problem& p, int64_t block, int64_t s) {
+  return p.d_dmin + (block * (p.k / SUPER) + s) * 2 * BLOCK;
+}
+
+// The float factor of a row's chunk: the second plane's sums are taken at 256 times the first's
+inline float chunk_scale(const Problem& p, int64_t m, int64_t kk) {
+  const float s = p.xscale[m * (p.k / CHUNK) + kk / CHUNK];
+  return p.planes == 2 ? s * (1.0f / 256) : s;
+}
+
+// The rows' int8 planes combined as the sums combine them: 256 x0 + x1, or x0
+inline int32_t combined(const Problem& p, int64_t m, int64_t kk) {
+  const int32_t x0 = p.xq[m * p.k + kk];
+  return p.planes == 2 ? 256 * x0 + p.xq[(p.rows + m) * p.k + kk] : x0;
+}
+
+inline int q_at(const Problem& p, int64_t block, int64_t row, int64_t kk) {
+  const uint8_t lo = p.low[(block * p.k + kk) * 32 + row % 32];
+  const int low4 = row < 32 ? lo & 15 : lo >> 4;
+  if (p.bits == 4) return low4;
+  const int64_t pos = 4 * (row % 16) + kk % 4;
+  const uint8_t hi = p.high[(block * p.k / 4 + kk / 4) * 32 + pos % 32];
+  return low4 | (((hi >> (4 * (pos / 32) + row / 16)) & 1) << 4);
+}
+
+// The reference: one block, every row, the vector path's sums and roundings in scalar code.
+void run_block_portable(const Problem& p, int64_t block) {
+  for (int64_t m = 0; m < p.rows; ++m)
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const int64_t col = block * BLOCK + j;
+      float* o = p.out + m * p.n + col;
+      for (int64_t s = 0; s < p.k / SUPER; ++s) {
+        float facc = 0.0f, macc = 0.0f;
+        for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+          int32_t acc = 0;
+          for (int64_t kk = sub * SUB; kk < (sub + 1) * SUB; ++kk)
+            acc += q_at(p, block, j, kk) * combined(p, m, kk);
+          const float sc = static_cast<float>(scales_of(p, block, sub)[j]);
+          facc = std::fma(static_cast<float>(acc), sc * chunk_scale(p, m, sub * SUB), facc);
+        }
+        for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+          const float mn = static_cast<float>(scales_of(p, block, sub)[BLOCK + j]);
+          macc = std::fma(mn, p.row_sums[m * (p.k / SUB) + sub], macc);
+        }
+        *o = std::fma(facc, d_of(p, block, s)[j], *o);
+        *o = std::fma(-macc, d_of(p, block, s)[BLOCK + j], *o);
+      }
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KILN_KQUANT_VNNI 1
+constexpr int64_t CODES_AHEAD = 1024;  // bytes of low nibbles asked for ahead (as int4_mm.cpp)
+
+inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
+
+// A quad of columns as q in dpbusd's lanes, outputs 16 j .. 16 j + 15 in w[j].
+template <int BITS>
+inline void quad_codes(const uint8_t* low, const uint8_t* high, __m512i idx0, __m512i idx1,
+                       __m512i w[4]) {
+  const __m512i four = _mm512_set1_epi8(0x0f);
+  const __m512i a = _mm512_loadu_si512(low), b = _mm512_loadu_si512(low + 64);
+  const __m512i q0 = _mm512_permutex2var_epi8(a, idx0, b), q1 = _mm512_permutex2var_epi8(a, idx1, b);
+  w[0] = _mm512_and_si512(q0, four);
+  w[1] = _mm512_and_si512(q1, four);
+  w[2] = _mm512_and_si512(_mm512_srli_epi16(q0, 4), four);
+  w[3] = _mm512_and_si512(_mm512_srli_epi16(q1, 4), four);
+  if constexpr (BITS == 5) {
+    // the 32 bytes in both halves, the upper half's high nibbles moved down: byte p's low
+    // nibble then holds bits j = 0..3 of position p, and bit j goes to bit 4 (16-bit shifts:
+    // bit 4 of a byte comes from a lower bit of the same byte)
+    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(high));
+    __m512i h = _mm512_inserti64x4(_mm512_castsi256_si512(bytes), bytes, 1);
+    h = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 4);
+    const __m512i top = _mm512_set1_epi8(0x10);
+    w[0] = _mm512_or_si512(w[0], _mm512_and_si512(_mm512_slli_epi16(h, 4), top));
+    w[1] = _mm512_or_si512(w[1], _mm512_and_si512(_mm512_slli_epi16(h, 3), top));
+    w[2] = _mm512_or_si512(w[2], _mm512_and_si512(_mm512_slli_epi16(h, 2), top));
+    w[3] = _mm512_or_si512(w[3], _mm512_and_si512(_mm512_slli_epi16(h, 1), top));
+  }
+}
+
+inline __m512 sixteen(const uint8_t* table) {  // 16 unsigned bytes as floats
+  return _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(table))));
+}
+
+// The super-block's end: out += d facc - dmin sum(mn row_sum), in the portable loops' order.
+template <int R>
+void finish_super(const Problem& p, int64_t block, int64_t s, int64_t m0, __m512 facc[R][4]) {
+  const int64_t first = s * SUPER / SUB, n0 = block * BLOCK;
+  for (int j = 0; j < 4; ++j) {
+    __m512 macc[R];
+    for (int r = 0; r < R; ++r) macc[r] = _mm512_setzero_ps();
+    for (int64_t sub = first; sub < first + SUPER / SUB; ++sub) {
+      const __m512 mn = sixteen(scales_of(p, block, sub) + BLOCK + 16 * j);
+      for (int r = 0; r < R; ++r)
+        macc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(p.row_sums[(m0 + r) * (p.k / SUB) + sub]),
+                                  macc[r]);
+    }
+    const __m512 d = _mm512_loadu_ps(d_of(p, block, s) + 16 * j);
+    const __m512 dmin = _mm512_loadu_ps(d_of(p, block, s) + BLOCK + 16 * j);
+    for (int r = 0; r < R; ++r) {
+      float* o = p.out + (m0 + r) * p.n + n0 + 16 * j;
+      const __m512 with_d = _mm512_fmadd_ps(facc[r][j], d, _mm512_loadu_ps(o));
+      _mm512_storeu_ps(o, _mm512_fnmadd_ps(macc[r], dmin, with_d));
+    }
+  }
+}
+
+// Rows m0 .. m0 + R of one block, P int8 planes: acc[q][r][j] sums outputs 16 j .. + 16.
+template <int BITS, int R, int P>
+void block_rows(const Problem& p, int64_t block, int64_t m0) {
+  const int64_t n0 = block * BLOCK;
+  const uint8_t* low = p.low + block * p.k * 32;
+  const uint8_t* high = BITS == 5 ? p.high + block * p.k * 8 : nullptr;
+  const __m512i idx0 = quad_index(0), idx1 = quad_index(16);
+  for (int64_t s = 0; s < p.k / SUPER; ++s) {
+    __m512 facc[R][4];
+    for (int r = 0; r < R; ++r)
+      for (int j = 0; j < 4; ++j) facc[r][j] = _mm512_setzero_ps();
+    for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+      __m512i acc[P][R][4];
+      for (int q = 0; q < P; ++q)
+        for (int r = 0; r < R; ++r)
+          for (int j = 0; j < 4; ++j) acc[q][r][j] = _mm512_setzero_si512();
+      for (int64_t kk = sub * SUB; kk < (sub + 1) * SUB; kk += 4) {
+        prefetch(low + kk * 32 + CODES_AHEAD);
+        prefetch(low + kk * 32 + CODES_AHEAD + 64);
+        if constexpr (BITS == 5)
+          if (kk % 8 == 0) prefetch(high + kk * 8 + CODES_AHEAD / 4);
+        __m512i w[4];
+        quad_codes<BITS>(low + kk * 32, BITS == 5 ? high + kk * 8 : nullptr, idx0, idx1, w);
+        for (int q = 0; q < P; ++q)
+          for (int r = 0; r < R; ++r) {
+            int32_t four;
+            std::memcpy(&four, p.xq + (q * p.rows + m0 + r) * p.k + kk, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            for (int j = 0; j < 4; ++j) acc[q][r][j] = _mm512_dpbusd_epi32(acc[q][r][j], w[j], xb);
+          }
+      }
+      for (int j = 0; j < 4; ++j) {
+        const __m512 sc = sixteen(scales_of(p, block, sub) + 16 * j);
+        for (int r = 0; r < R; ++r) {
+          __m512i sum = acc[0][r][j];
+          if constexpr (P == 2) sum = _mm512_add_epi32(_mm512_slli_epi32(sum, 8), acc[1][r][j]);
+          const __m512 xs = _mm512_set1_ps(chunk_scale(p, m0 + r, sub * SUB));
+          facc[r][j] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, xs), facc[r][j]);
+        }
+      }
+    }
+    finish_super<R>(p, block, s, m0, facc);
+  }
+}
+
+template <int BITS, int P>
+void block_all_rows(const Problem& p, int64_t block) {
+  int64_t m = 0;
+  for (; m + 2 <= p.rows; m += 2) block_rows<BITS, 2, P>(p, block, m);
+  for (; m < p.rows; ++m) block_rows<BITS, 1, P>(p, block, m);
+}
+
+void run_block(const Problem& p, int64_t block) {
+  if (p.bits == 5)
+    p.planes == 2 ? block_all_rows<5, 2>(p, block) : block_all_rows<5, 1>(p, block);
+  else
+    p.planes == 2 ? block_all_rows<4, 2>(p, block) : block_all_rows<4, 1>(p, block);
+}
+#else
+void run_block(const Problem& p, int64_t block) { run_block_portable(p, block); }
+#endif
+
+// Each row's quantized sum over each 32 columns (its planes combined as the sums combine them),
+// times the chunk's scale: the min term's factor
+void row_sums(const Problem& p, float* sums) {
+  for (int64_t m = 0; m < p.rows; ++m)
+    for (int64_t sub = 0; sub < p.k / SUB; ++sub) {
+      int32_t sum = 0;
+      for (int64_t kk = sub * SUB; kk < (sub + 1) * SUB; ++kk) sum += combined(p, m, kk);
+      sums[m * (p.k / SUB) + sub] = static_cast<float>(sum) * chunk_scale(p, m, sub * SUB);
+    }
+}
+
+struct Weight {
+  const uint8_t* low;
+  const uint8_t* high;
+  const uint8_t* scales_mins;
+  const float* d_dmin;
+  int64_t n;
+  int bits;
+};
+
+void kquant_mm(const float* x, int64_t rows, int64_t k, const Weight& w, float* out, int planes,
+               int threads, bool portable) {
+  std::vector<int8_t> xq(planes * rows * k);
+  std::vector<float> xscale(rows * (k / CHUNK)), sums(rows * (k / SUB));
+  kiln_int8_rows::quantize_rows(x, rows, k, planes, xq.data(), xscale.data(), threads);
+  Problem p{xq.data(), xscale.data(), sums.data(), rows, k, planes, w.bits, w.low, w.high,
+            w.scales_mins, w.d_dmin, w.n, out};
+  row_sums(p, sums.data());
+  std::memset(out, 0, sizeof(float) * rows * w.n);
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < w.n / BLOCK; ++b) {
+    if (portable)
+      run_block_portable(p, b);
+    else
+      run_block(p, b);
+  }
+}
+
+// W^T [k, n] in T (float or bf16): q (sc d) - mn dmin, both products exact in float32 (6 + 11
+// bits, 5 + 17), the difference rounded once, as the gguf package computes it; then once more
+// to bf16. A work item is one column of one block.
+template <typename T>
+void dequantize_t(const Weight& w, int64_t k, T* out, int threads) {
+  const Problem p{nullptr, nullptr, nullptr, 0, k, 0, w.bits, w.low, w.high, w.scales_mins,
+                  w.d_dmin, w.n, nullptr};
+  const int64_t n = w.n;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < k * (n / BLOCK); ++item) {
+    const int64_t kk = item / (n / BLOCK), block = item % (n / BLOCK);
+    for (int64_t j = 0; j < BLOCK; ++j) {
+      const int64_t col = block * BLOCK + j;
+      const uint8_t* sm = scales_of(p, block, kk / SUB);
+      const float* dd = d_of(p, block, kk / SUPER);
+      const float scale = static_cast<float>(sm[j]) * dd[j];
+      const float minimum = static_cast<float>(sm[BLOCK + j]) * dd[BLOCK + j];
+      const float value = std::fma(static_cast<float>(q_at(p, block, j, kk)), scale, -minimum);
+      if constexpr (std::is_same_v<T, uint16_t>)
+        out[kk * n + col] = float_to_bf16(value);
+      else
+        out[kk * n + col] = value;
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Whether this build has the vector path (AVX512-VNNI with VBMI); without it the engine keeps
+// Q5_K dequantized and Q4_K on the int4 kernel.
+int kiln_kquant_vectorized() {
+#ifdef KILN_KQUANT_VNNI
+  return 1;
+#else
+  return 0;
+#endif
+}
+
+// out [rows, n] (out_dtype 0 float32, 1 bf16) = x [rows, k] (x_dtype likewise) times the
+// weight of `bits` (4 or 5; high unused at 4); n a multiple of 64, k of 256; the rows as
+// `planes` (1 or 2) int8 planes. `portable`: the scalar loops (the tests' reference).
+void kiln_kquant_mm(int x_dtype, const void* x, int64_t rows, int64_t k, int bits,
+                    const uint8_t* low, const uint8_t* high, const uint8_t* scales_mins,
+                    const float* d_dmin, int64_t n, int out_dtype, void* out, int planes,
+                    int threads, int portable) {
+  const Weight w{low, high, scales_mins, d_dmin, n, bits == 5 ? 5 : 4};
+  kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
+    kquant_mm(xs, rows, k, w, ys, planes == 2 ? 2 : 1, threads, portable != 0);
+  });
+}
+
+// W^T [k, n] (out_dtype 0 float32, 1 bf16): the large-batch path's weight
+void kiln_kquant_dequantize_t(int bits, const uint8_t* low, const uint8_t* high,
+                              const uint8_t* scales_mins, const float* d_dmin, int64_t n,
+                              int64_t k, int out_dtype, void* out, int threads) {
+  const Weight w{low, high, scales_mins, d_dmin, n, bits == 5 ? 5 : 4};
+  if (out_dtype == 1)
+    dequantize_t(w, k, static_cast<uint16_t*>(out), threads);
+  else
+    dequantize_t(w, k, static_cast<float*>(out), threads);
+}
+
+}  // extern "C"
