@@ -4,14 +4,15 @@ file of that size is on the machine: kiln and llama.cpp both load it.
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_0 --out /tmp/l1b-q4_0.gguf
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K --out /tmp/l1b-q4_k.gguf
     python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q4_K_M --out /tmp/l1b-km.gguf
+    python benchmarks/make_random_gguf.py --shape llama-3.2-1b --type Q5_K_M --out /tmp/l1b-5.gguf
     python benchmarks/make_random_gguf.py --shape qwen3-0.6b --type Q4_0 --out /tmp/q3.gguf \
         --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
     python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_0 \
         --out /tmp/moe.gguf   # 4 of Qwen3-30B-A3B's mixture-of-experts layers (qwen3moe)
 
-`Q4_K_M` mixes types as llama.cpp's Q4_K_M recipe does: Q6_K for the tied embedding (the head),
-and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last eighth,
-every third between), Q4_K for the rest.
+`Q4_K_M` and `Q5_K_M` mix types as llama.cpp's recipes do: Q6_K for the tied embedding (the
+head), and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last
+eighth, every third between), Q4_K (Q5_K) for the rest.
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
 a standard deviation near 0.02 and the activations stay finite; norms are ones. The embedding rows
@@ -68,6 +69,15 @@ def _q4_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
+def _q5_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
+    blocks = rng.integers(0, 256, (n, k // 256, 176), dtype=np.uint8)
+    d = TARGET_STD / (31.5 * 9.2)  # six-bit scales average 31.5; std of q (0..31) is 9.2
+    for at, value in ((0, d), (2, 15.5 * d)):  # dmin centres the codes' mean (15.5) on zero
+        field = np.full((n, k // 256), value, dtype=np.float16)
+        blocks[..., at : at + 2] = field.view(np.uint8).reshape(n, k // 256, 2)
+    return blocks.reshape(n, -1)
+
+
 def _q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     blocks = rng.integers(0, 256, (n, k // 256, 210), dtype=np.uint8)
     blocks[..., 192:208] = 64  # the int8 scales per 16 columns
@@ -76,7 +86,8 @@ def _q6_k(rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return blocks.reshape(n, -1)
 
 
-MAKERS = {"Q4_0": _q4_0, "Q4_K": _q4_k, "Q6_K": _q6_k}
+MAKERS = {"Q4_0": _q4_0, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}
+MIXES = {"Q4_K_M": "Q4_K", "Q5_K_M": "Q5_K"}  # llama.cpp's recipes: their base type
 
 
 def _more_bits(layer: int, layers: int) -> bool:
@@ -85,15 +96,15 @@ def _more_bits(layer: int, layers: int) -> bool:
 
 
 def _kind_of(kind: str, name: str, layers: int) -> str:
-    """The type `name` gets in a file of `kind` (Q4_K_M: llama.cpp's mix)."""
-    if kind != "Q4_K_M":
+    """The type `name` gets in a file of `kind` (Q4_K_M, Q5_K_M: llama.cpp's mixes)."""
+    if kind not in MIXES:
         return kind
     if name == "token_embd.weight":
         return "Q6_K"
     parts = name.split(".")
     if parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), layers):
         return "Q6_K"
-    return "Q4_K"
+    return MIXES[kind]
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> list[int]:
@@ -155,7 +166,7 @@ def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
 
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
-    base = "Q4_K" if kind == "Q4_K_M" else kind  # the experts' type (Q4_K_M: Q4_K)
+    base = MIXES.get(kind, kind)  # the experts' type (Q4_K_M: Q4_K)
     make = MAKERS[base]
     w = gguf.GGUFWriter(out, s.get("arch", "llama"))
     w.add_name(f"random {shape} {kind}")
@@ -222,7 +233,9 @@ def write_hf_directory(gguf_path: str, out_dir: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=list(SHAPES), default="llama-3.2-1b")
-    parser.add_argument("--type", choices=["Q4_0", "Q4_K", "Q4_K_M"], default="Q4_0")
+    parser.add_argument(
+        "--type", choices=["Q4_0", "Q4_K", "Q5_K", "Q4_K_M", "Q5_K_M"], default="Q4_0"
+    )
     parser.add_argument("--out", required=True)
     parser.add_argument("--hf-dir", help="also write the weights as an HF directory here")
     args = parser.parse_args()

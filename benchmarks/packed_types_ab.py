@@ -8,6 +8,10 @@ alternating.
 
 `--dequantize-mixed`: the second engine packs every type but dequantizes fused layers whose
 parts mix formats (a Q4_K_M file's qkv with a Q6_K v), as kiln did before PackedParts.
+`--q4-k-int4`: the second engine keeps Q4_K as int4 planes on the int4 kernel, as kiln did
+before Q4_K ran on the K-quant kernel.
+
+    python benchmarks/packed_types_ab.py --model /tmp/km.gguf --q4-k-int4 --rounds 6 --mode 3
 """
 
 from __future__ import annotations
@@ -19,17 +23,23 @@ from int4_table_ab import alternating_rounds, decode_seconds, report_rate  # bes
 
 from kiln import LLM
 from kiln.layers import linear, packed_parts
+from kiln.layers.packed import as_int4_plane
 from kiln.loader import gguf as gguf_loader
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
 
 
-def boot(model: str, dtype: str, mode: int, dequantize: list[str], mixed: bool = True) -> LLM:
-    """An engine whose loader packs every type but `dequantize` (and, without `mixed`, no
-    fused layer of mixed formats)."""
+def boot(
+    model: str, dtype: str, mode: int, dequantize: list[str], mixed: bool = True,
+    q4_k_int4: bool = False,
+) -> LLM:  # fmt: skip
+    """An engine whose loader packs every type but `dequantize` (without `mixed`, no fused
+    layer of mixed formats; with `q4_k_int4`, Q4_K as int4 planes)."""
     packed = tuple(t for t in PACKED_GGUF_TYPES if t not in dequantize)
     pack = packed_parts.pack_parts if mixed else _one_format_only
+    form = (lambda t, device: as_int4_plane(t)) if q4_k_int4 else packed_parts.for_device
     with mock.patch.object(gguf_loader, "PACKED_GGUF_TYPES", packed), \
-            mock.patch.object(linear, "pack_parts", pack):  # fmt: skip
+            mock.patch.object(linear, "pack_parts", pack), \
+            mock.patch.object(packed_parts, "for_device", form):  # fmt: skip
         return LLM(model, dtype=dtype, compilation_config={"mode": mode})
 
 
@@ -44,14 +54,16 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--dequantize", nargs="+", default=[], choices=PACKED_GGUF_TYPES)
     parser.add_argument("--dequantize-mixed", action="store_true")
+    parser.add_argument("--q4-k-int4", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mode", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    if not args.dequantize and not args.dequantize_mixed:
-        parser.error("name types to --dequantize, or --dequantize-mixed")
-    other = boot(args.model, args.dtype, args.mode, args.dequantize, not args.dequantize_mixed)
+    if not (args.dequantize or args.dequantize_mixed or args.q4_k_int4):
+        parser.error("name types to --dequantize, or --dequantize-mixed, or --q4-k-int4")
+    other = boot(args.model, args.dtype, args.mode, args.dequantize, not args.dequantize_mixed,
+                 args.q4_k_int4)  # fmt: skip
     engines = {"packed": boot(args.model, args.dtype, args.mode, []), "dequantized": other}
     for name, llm in engines.items():
         weights = sum(b for _, _, b in llm.engine.runner.model.weight_summary) / 2**20
@@ -61,9 +73,9 @@ def main() -> None:
     median = alternating_rounds(runs, args.rounds, report_rate(args.tokens))
     rate = {k: args.tokens / v for k, v in median.items()}
     what = "+".join(args.dequantize + (["mixed layers"] if args.dequantize_mixed else []))
-    print(f"median tok/s: packed {rate['packed']:.2f}, {what} dequantized "
-          f"{rate['dequantized']:.2f}, packed / dequantized "
-          f"{rate['packed'] / rate['dequantized']:.3f}x")  # fmt: skip
+    other_name = "Q4_K as int4 planes" if args.q4_k_int4 else f"{what} dequantized"
+    print(f"median tok/s: packed {rate['packed']:.2f}, {other_name} {rate['dequantized']:.2f}, "
+          f"packed / other {rate['packed'] / rate['dequantized']:.3f}x")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -239,10 +239,10 @@ def packed_gguf(tiny_models, tmp_path_factory) -> str:
     return str(path)
 
 
-# llama.cpp's Q4_K_M and Q5_K_M files carry some tensors in Q6_K beside 4- or 5-bit ones: these
+# llama.cpp's Q4_K_M and Q5_K_M files carry some tensors in Q6_K beside Q4_K or Q5_K ones: these
 # of a Llama with 256 hidden units (the K-quants' blocks are 256 columns); the fused qkv has
-# parts of two formats, the fused gate_up is Q5_K
-K_QUANT_MIX = {"v_proj": "Q6_K", "self_attn": "Q4_0", "down_proj": "Q6_K", "mlp": "Q5_K",
+# parts of two formats (Q4_K q and k, a Q6_K v), the fused gate_up is Q5_K
+K_QUANT_MIX = {"v_proj": "Q6_K", "self_attn": "Q4_K", "down_proj": "Q6_K", "mlp": "Q5_K",
             "embed": "Q6_K", "lm_head": "Q6_K"}  # fmt: skip
 
 

@@ -223,11 +223,13 @@ def _fused(tensors):
 
 
 def quantize(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    """float32 [N, K] as GGUF blocks of `kind`: the gguf package's quantizer, and for Q6_K and
-    Q5_K (which it lacks) `quantize_q6_k` and `quantize_q5_k`."""
+    """float32 [N, K] as GGUF blocks of `kind`: the gguf package's quantizer, and for Q6_K, Q5_K
+    and Q4_K (which it lacks) `quantize_q6_k` and `quantize_q5_k`."""
     if kind == T.Q6_K:
         return quantize_q6_k(data)
-    return quantize_q5_k(data) if kind == T.Q5_K else gguf.quants.quantize(data, kind)
+    if kind in (T.Q5_K, T.Q4_K):
+        return quantize_q5_k(data, 5 if kind == T.Q5_K else 4)
+    return gguf.quants.quantize(data, kind)
 
 
 def _steps(v: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
@@ -236,28 +238,31 @@ def _steps(v: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:
     return q.clip(0, top).astype(np.uint8)
 
 
-def quantize_q5_k(data: np.ndarray) -> np.ndarray:
-    """float32 [N, K] (K a multiple of 256) as Q5_K blocks [N, K / 256 * 176], written from the
-    format as llama.cpp's dequantizer reads it: per 256 columns d and dmin (fp16), 12 bytes of
-    six-bit scales and mins, 32 bytes of top bits, 128 of low nibbles; w = d sc q - dmin mn per
-    32 columns. Each 32 columns span [min(x, 0), max(x)] in 31 steps (round to nearest, not
-    llama.cpp's search: any valid block serves a test)."""
+def quantize_q5_k(data: np.ndarray, bits: int = 5) -> np.ndarray:
+    """float32 [N, K] (K a multiple of 256) as Q5_K blocks [N, K / 256 * 176] (`bits` 4: Q4_K's
+    [N, K / 256 * 144]), written from the format as llama.cpp's dequantizer reads it: per 256
+    columns d and dmin (fp16), 12 bytes of six-bit scales and mins, 32 bytes of top bits (Q5_K
+    only), 128 of low nibbles; w = d sc q - dmin mn per 32 columns. Each 32 columns span
+    [min(x, 0), max(x)] in 2**bits - 1 steps (round to nearest, not llama.cpp's search: any
+    valid block serves a test)."""
     n, k = data.shape
+    top = 2**bits - 1
     x = data.reshape(n, k // 256, 8, 32).astype(np.float32)
     low = np.minimum(x.min(-1), 0)  # [n, b, 8]
-    step, floor = (x.max(-1) - low) / 31, -low
+    step, floor = (x.max(-1) - low) / top, -low
     d, dmin = ((v.max(-1, keepdims=True) / 63).astype(np.float16) for v in (step, floor))
     sc, mn = (_steps(v, f.astype(np.float32), 63) for v, f in ((step, d), (floor, dmin)))
     scale = (d.astype(np.float32) * sc)[..., None]
     shifted = x + (dmin.astype(np.float32) * mn)[..., None]
-    q = _steps(shifted, scale, 31)  # [n, b, 8, 32]
+    q = _steps(shifted, scale, top)  # [n, b, 8, 32]
     packed_scales = np.concatenate([sc[..., :4] | (sc[..., 4:] >> 4) << 6,
                                     mn[..., :4] | (mn[..., 4:] >> 4) << 6,
                                     (sc[..., 4:] & 15) | (mn[..., 4:] & 15) << 4], -1)  # fmt: skip
     qh = sum((q[..., s, :] >> 4) << s for s in range(8)).astype(np.uint8)  # [n, b, 32]
     lo = (q & 15).reshape(n, k // 256, 4, 2, 32)
     qs = (lo[..., 0, :] | lo[..., 1, :] << 4).reshape(n, k // 256, 128)
-    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed_scales, qh, qs], -1)
+    high = [qh] if bits == 5 else []
+    blocks = np.concatenate([d.view(np.uint8), dmin.view(np.uint8), packed_scales, *high, qs], -1)
     return blocks.reshape(n, -1)
 
 

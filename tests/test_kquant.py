@@ -26,6 +26,8 @@ from kiln.loader.gguf_quant import gguf_codes
 from kiln.native import FLAGS
 from tests.gguf_files import quantize_q5_k
 
+CPU = torch.device("cpu")
+
 needs_kernel = pytest.mark.skipif(
     kquant_matmul_kernel() is None, reason="kiln's K-quant kernel needs AVX512-VNNI and VBMI"
 )
@@ -38,6 +40,49 @@ def _q5_k(n: int, k: int, seed: int = 0) -> tuple[np.ndarray, QuantizedTensor]:
     blocks = quantize_q5_k(x)
     want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q5_K).reshape(n, k)
     return want, gguf_codes("Q5_K", blocks, (n, k))
+
+
+def test_q4_k_is_read_for_either_kernel():
+    """A Q4_K matrix read for the K-quant kernel is exact (the gguf package's values bit for
+    bit); where that kernel does not run (here: a CUDA device) it becomes the int4 plane the
+    loader made before, with the same values up to the int4 kernels' bf16 scales."""
+    from kiln.layers.packed import Int4Codes, for_device
+
+    x = np.random.default_rng(2).standard_normal((64, 512)).astype(np.float32)
+    blocks = quantize_q5_k(x, bits=4)
+    want = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(64, 512)
+    exact = gguf_codes("Q4_K", blocks, (64, 512), exact_q4_k=True)
+    plane = gguf_codes("Q4_K", blocks, (64, 512))
+    assert isinstance(exact.planes[0], KQuantCodes) and exact.planes[0].bits == 4
+    assert isinstance(plane.planes[0], Int4Codes)
+    assert np.array_equal(exact.dequantize().numpy(), want)
+    on_cuda = for_device(exact, torch.device("cuda"))
+    assert isinstance(on_cuda.planes[0], Int4Codes) and on_cuda.kind == "Q4_K"
+    for field in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(on_cuda.planes[0], field), getattr(plane.planes[0], field))
+    on_cpu = for_device(exact, CPU)
+    if kquant_matmul_kernel() is not None:
+        assert on_cpu is exact
+    else:
+        assert isinstance(on_cpu.planes[0], Int4Codes)
+
+
+def test_a_hybrid_fused_projection_of_q4_k_and_another_format():
+    """The hybrid loader's [qkv; z] of a Q4_K and a Q4_0 half stays quantized as int4 planes; a
+    Q4_K and a Q5_K half (no shared form) become dense, each value kept."""
+    from kiln.loader.gguf_hybrid import _cat
+
+    x = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    q4k = gguf_codes("Q4_K", quantize_q5_k(x, bits=4), (64, 256), exact_q4_k=True)
+    q40 = gguf_codes("Q4_0", gguf.quants.quantize(x, gguf.GGMLQuantizationType.Q4_0), (64, 256))
+    q5k = gguf_codes("Q5_K", quantize_q5_k(x), (64, 256))
+    both = _cat(q4k, q40)
+    assert isinstance(both, QuantizedTensor) and both.shape == (128, 256)
+    want = torch.cat([q4k.dequantize(), q40.dequantize()])
+    torch.testing.assert_close(both.dequantize(), want, rtol=1e-6, atol=1e-7)
+    mixed = _cat(q4k, q5k)
+    assert isinstance(mixed, torch.Tensor)
+    assert torch.equal(mixed, torch.cat([q4k.dequantize(), q5k.dequantize()]))
 
 
 def _random(n: int, k: int, bits: int, seed: int = 0) -> KQuantCodes:
@@ -140,6 +185,25 @@ def test_the_packed_layer_runs_both_paths(dtype):
         bound = 1e-4 if dtype == torch.float32 else 2**-7  # two int8 planes; a half output
         torch.testing.assert_close(y.double(), want, rtol=0, atol=bound * scale)
     assert torch.equal(linear.packed.dequantize(), torch.from_numpy(want_w))
+
+
+@needs_kernel
+def test_a_q4_k_layer_runs_on_the_k_quant_kernel():
+    """A Q4_K layer read for the K-quant kernel packs there (layout q4_k, exact) and its decode
+    rows and large batches equal the dense product."""
+    x = np.random.default_rng(6).standard_normal((100, 512)).astype(np.float32)
+    blocks = quantize_q5_k(x, bits=4)
+    want_w = gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K).reshape(100, 512)
+    linear = Linear(512, 100)
+    linear.load_weight("w", gguf_codes("Q4_K", blocks, (100, 512), exact_q4_k=True))
+    assert linear.layout == "q4_k" and isinstance(linear.packed, PackedKQuant)
+    assert torch.equal(linear.packed.dequantize(), torch.from_numpy(want_w))
+    dense = torch.from_numpy(want_w).double()
+    for rows in (1, 3, DEQUANT_MIN_ROWS):
+        x = torch.randn(rows, 512)
+        want = x.double() @ dense.t()
+        scale = (x.double().abs() @ dense.abs().t()).max().item()
+        torch.testing.assert_close(linear(x).double(), want, rtol=0, atol=1e-4 * scale)
 
 
 @needs_kernel

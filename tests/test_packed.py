@@ -240,11 +240,11 @@ def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, pa
 
 def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(k_quant_mix_gguf, tokenizer_dir):
     """As llama.cpp's Q4_K_M and Q5_K_M files carry them, Q6_K tensors (here the MLP's down
-    projection, v, the embedding and the head of a Llama with 256 hidden units) and Q5_K ones
-    (gate and up) beside int4-packed ones: the Q6_K and Q5_K tensors stay packed on kiln's Q6_K
-    and K-quant kernels where this CPU runs them (else they are dequantized at load); kiln's
-    logits against HF transformers on the same values dequantized by the gguf package, within
-    a few bf16 ulps, and the same greedy picks."""
+    projection, v, the embedding and the head of a Llama with 256 hidden units) beside Q4_K (q,
+    k, o) and Q5_K (gate and up) ones: all stay packed on kiln's Q6_K and K-quant kernels where
+    this CPU runs them (else Q4_K becomes int4 planes and the rest is dequantized at load);
+    kiln's logits against HF transformers on the same values dequantized by the gguf package,
+    within a few bf16 ulps, and the same greedy picks."""
     from tests.conftest import k_quant_mix_kind, k_quant_mix_llama
     from tests.gguf_files import quantize
 

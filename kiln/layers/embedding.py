@@ -7,7 +7,7 @@ from torch import nn
 from kiln.errors import ModelLoadError
 from kiln.layers.bf16_kernel import pairs_linear, unpack_pairs
 from kiln.layers.linear import onednn_linear, pack_for_cpu, prepack_for_cpu
-from kiln.layers.packed import PackedWeight, QuantizedTensor, unpackable_reason
+from kiln.layers.packed import PackedWeight, QuantizedTensor, for_device, unpackable_reason
 from kiln.layers.packed_parts import packed_weight
 
 
@@ -55,6 +55,7 @@ class VocabEmbedding(nn.Module):
             self.head_layout = "onednn"
 
     def _pack(self, table: QuantizedTensor, device: torch.device) -> None:
+        table = for_device(table, device)
         reason = unpackable_reason(table, device)
         if device.type != "cpu":
             reason = reason or "tinygemm's layout has no row lookup"

@@ -40,11 +40,17 @@ class KQuantCodes:
 
     group_size = SUB  # the finest scale's columns, as Int4Codes.group_size
 
+    def scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 (d sc, dmin mn) per 32 columns, [N, K // 32] each: both exact."""
+        per_sub = SUPER // SUB
+        return (
+            self.scale.float() * self.d.repeat_interleave(per_sub, 1),
+            self.min.float() * self.dmin.repeat_interleave(per_sub, 1),
+        )
+
     def dequantize(self) -> torch.Tensor:
         """float32 [N, K]: each product exact, their difference rounded once."""
-        per_sub = SUPER // SUB
-        scale = self.scale.float() * self.d.repeat_interleave(per_sub, 1)
-        minimum = self.min.float() * self.dmin.repeat_interleave(per_sub, 1)
+        scale, minimum = self.scales()
         return torch.addcmul(
             -minimum.repeat_interleave(SUB, 1), self.codes.float(), scale.repeat_interleave(SUB, 1)
         )

@@ -112,6 +112,32 @@ class QuantizedTensor:
         return functools.reduce(torch.add, (p.dequantize() for p in self.planes))
 
 
+def quantized_form(t: QuantizedTensor) -> tuple:
+    """What parts must share to be stacked into one packed matrix."""
+    first = t.planes[0]
+    return type(first), len(t.planes), t.group_size, getattr(first, "bits", None)
+
+
+def as_int4_plane(t: QuantizedTensor) -> QuantizedTensor:
+    """A Q4_K matrix read for kiln's K-quant kernel (`KQuantCodes` of 4 bits) as the int4 plane
+    the other kernels take: scale d sc, zero 8 d sc - dmin mn per 32 columns (scales that round
+    to bf16 when packed). Any other tensor as it is."""
+    plane = t.planes[0]
+    if not isinstance(plane, KQuantCodes) or plane.bits != 4:
+        return t
+    scale, minimum = plane.scales()
+    zero = 8 * scale - minimum
+    return QuantizedTensor(t.kind, [Int4Codes(plane.codes, scale, zero, plane.group_size)])
+
+
+def for_device(t: QuantizedTensor, device: torch.device) -> QuantizedTensor:
+    """`t` in the form `device`'s kernels take: a Q4_K matrix stays on the K-quant kernel (exact,
+    4.75 bits a weight) where that runs, else becomes an int4 plane."""
+    if device.type == "cpu" and kquant_matmul_kernel() is not None:
+        return t
+    return as_int4_plane(t)
+
+
 def cat_rows(parts: list[QuantizedTensor]) -> QuantizedTensor:
     """Parts of a fused layer (q, k, v) stacked by rows into one tensor."""
     first = parts[0].planes

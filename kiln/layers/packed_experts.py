@@ -28,7 +28,14 @@ from torch import nn
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, pairs_table
 from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
-from kiln.layers.packed import Int4Codes, QuantizedTensor, cat_rows, int4_matmul, pack_plane
+from kiln.layers.packed import (
+    Int4Codes,
+    QuantizedTensor,
+    as_int4_plane,
+    cat_rows,
+    int4_matmul,
+    pack_plane,
+)
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 
 
@@ -131,7 +138,7 @@ class ExpertPacker:
         """Take one part; an expert whose parts are all in is packed, or sets `reason` (its
         parts then stay in `parts` for the owner's fallback)."""
         parts = self.parts.setdefault(expert, {})
-        parts[part] = t
+        parts[part] = as_int4_plane(t)
         if len(parts) < len(self.part_names):
             return
         ordered = [parts[name] for name in self.part_names]

@@ -23,15 +23,16 @@ BUFFERS = ("low", "high", "scales_mins", "d_dmin")
 
 
 class PackedKQuant(PackedWeight):
-    """One Q5_K matrix in kiln's K-quant layout, its matmul and its rows (CPU only)."""
+    """One Q5_K or Q4_K matrix in kiln's K-quant layout, its matmul and its rows (CPU only)."""
 
-    layout = "q5_k"
+    layout = "q5_k"  # "q4_k" for a Q4_K matrix
 
     def __init__(self, t: QuantizedTensor) -> None:
         super().__init__(t.kind, *t.shape)
         packed = pack_kquant(t.planes[0])  # type: ignore[arg-type]
         for name in BUFFERS:
             self.register_buffer(name, getattr(packed, name))
+        self.layout = f"q{packed.bits}_k"
 
     @property
     def tensors(self) -> KQuantPacked:

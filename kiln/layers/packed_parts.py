@@ -16,6 +16,8 @@ from kiln.layers.packed import (
     PackedWeight,
     QuantizedTensor,
     cat_rows,
+    for_device,
+    quantized_form,
     unpackable_reason,
 )
 from kiln.layers.packed_kquant import PackedKQuant
@@ -71,6 +73,7 @@ def pack_parts(
     stay dense): they do not cover the layer, or a run of them has no kernel on `device`."""
     if sum(p.shape[0] for p in parts) != out_features:
         return None, "its parts mix quantized and dense formats"
+    parts = [for_device(p, device) for p in parts]
     runs = [cat_rows(run) for run in _runs_of_one_format(parts)]
     reason = next((r for r in (unpackable_reason(run, device) for run in runs) if r), None)
     if reason is not None:
@@ -79,14 +82,10 @@ def pack_parts(
     return (modules[0] if len(modules) == 1 else PackedParts(modules)), None
 
 
-def _form(t: QuantizedTensor) -> tuple:
-    return type(t.planes[0]), len(t.planes), t.group_size, getattr(t.planes[0], "bits", None)
-
-
 def _runs_of_one_format(parts: list[QuantizedTensor]) -> list[list[QuantizedTensor]]:
     runs: list[list[QuantizedTensor]] = []
     for part in parts:
-        if runs and _form(runs[-1][0]) == _form(part):
+        if runs and quantized_form(runs[-1][0]) == quantized_form(part):
             runs[-1].append(part)
         else:
             runs.append([part])

@@ -30,7 +30,13 @@ from typing import Any
 
 import torch
 
-from kiln.layers.packed import Int4Codes, QuantizedTensor, cat_rows
+from kiln.layers.packed import (
+    Int4Codes,
+    QuantizedTensor,
+    as_int4_plane,
+    cat_rows,
+    quantized_form,
+)
 from kiln.models.config import LinearAttentionConfig
 
 Tensor = torch.Tensor | QuantizedTensor
@@ -211,9 +217,12 @@ class HybridTensors:
 
 
 def _cat(a: Tensor, b: Tensor) -> Tensor:
-    """[a; b], kept quantized where both halves share one 4-bit form."""
+    """[a; b], kept quantized where both halves share one form (a Q4_K half beside another 4-bit
+    format as int4 planes)."""
     quantized = isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)
-    if quantized and (len(a.planes), a.group_size) == (len(b.planes), b.group_size):
+    if quantized and quantized_form(a) != quantized_form(b):
+        a, b = as_int4_plane(a), as_int4_plane(b)
+    if quantized and quantized_form(a) == quantized_form(b):
         return cat_rows([a, b])
     return torch.cat([_as_dense(a).float(), _as_dense(b).float()])
 
@@ -230,6 +239,7 @@ def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
     whole groups, else it is dequantized."""
     if isinstance(t, torch.Tensor):
         return t[:, index]
+    t = as_int4_plane(t)
     g = t.group_size
     if not isinstance(t.planes[0], Int4Codes):  # Q6_K, Q5_K: scales and d are not one group
         return t.dequantize()[:, index]

@@ -10,7 +10,8 @@ zero 8d)
 Q6_K (256 columns: 128 bytes of low 4 bits, 64 of top 2 bits, 16 int8 scales, d): w = d sc (q - 32)
 per 16 columns, read into its own form (kiln/layers/q6k_layout.py), 6 bits a code
 Q5_K (256 columns: d, dmin, 8 six-bit scales and mins, top bits, low 4 bits): w = d sc q - dmin
-mn per 32, read into its own form (kiln/layers/kquant_layout.py), 5 bits a code
+mn per 32, read into its own form (kiln/layers/kquant_layout.py), 5 bits a code; Q4_K may be
+read into that form too (4 bits a code), for the kernel that reads both
 
 Within a block of 32 (Q4_0/Q4_1) the low nibbles of the 16 bytes are columns 0-15 and the high
 nibbles 16-31; in Q4_K each 32 bytes hold two 32-column sub-blocks, low nibbles first. Other
@@ -71,6 +72,14 @@ def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         np.concatenate([low_sc, high_sc], -1).astype(np.float32),
         np.concatenate([low_mn, high_mn], -1).astype(np.float32),
     )
+
+
+def q4_k_codes(blocks: np.ndarray) -> list[KQuantCodes]:
+    """Q4_K for kiln's K-quant kernel: its codes, six-bit scales and mins, d and dmin as they
+    are (`q4_k`'s int4 plane folds them into a scale and zero per 32 columns)."""
+    n, b = blocks.shape[:2]
+    qs = _view(blocks)[..., 16:144].reshape(n, b, 4, 1, 32)
+    return [_k_codes(blocks, torch.cat([qs & 15, qs >> 4], 3).reshape(n, -1), 4)]
 
 
 def q4_k(blocks: np.ndarray) -> list[Int4Codes]:
@@ -144,9 +153,15 @@ _READERS = {"Q4_0": (q4_0, 18, 32), "Q4_1": (q4_1, 20, 32), "Q4_K": (q4_k, 144, 
             "Q8_0": (q8_0, 34, 32), "Q6_K": (q6_k, 210, 256), "Q5_K": (q5_k, 176, 256)}  # fmt: skip
 
 
-def gguf_codes(kind: str, data: np.ndarray, shape: tuple[int, int]) -> QuantizedTensor:
-    """A 2-D GGUF tensor of a packed type (`data`: [N, bytes per row]) as 4-bit planes."""
+def gguf_codes(
+    kind: str, data: np.ndarray, shape: tuple[int, int], exact_q4_k: bool = False
+) -> QuantizedTensor:
+    """A 2-D GGUF tensor of a packed type (`data`: [N, bytes per row]) as 4-bit planes, or the
+    codes of a type's own kernel (Q6_K, Q5_K; Q4_K with `exact_q4_k`: the K-quant kernel's,
+    which `kiln.layers.packed.for_device` turns into the int4 plane where it does not run)."""
     read, block_bytes, block_cols = _READERS[kind]
+    if kind == "Q4_K" and exact_q4_k:
+        read = q4_k_codes
     n, k = shape
     blocks = np.asarray(data).reshape(n, k // block_cols, block_bytes)
     return QuantizedTensor(kind, read(blocks))
