@@ -1,11 +1,13 @@
-"""GGUF's Q5_K kept packed on the CPU, 5.75 bits a weight, for kiln's K-quant kernel
-(kiln/layers/kquant_kernel.py): llama.cpp's Q5_K_M and Q5_K_S files hold most of their
-matrices in Q5_K, which dequantized to bf16 streamed 2.9 times the bytes a decode step reads
-from the file.
+"""GGUF's Q5_K and Q4_K kept packed on the CPU, 5.75 and 4.75 bits a weight, for kiln's
+K-quant kernel (kiln/layers/kquant_kernel.py): llama.cpp's Q5_K_M and Q5_K_S files hold most
+of their matrices in Q5_K, which dequantized to bf16 streamed 2.9 times the bytes a decode step
+reads from the file (a 1B Q5_K_M-like file decoded 1.73x faster packed, mode 3).
 
-Q4_K stays on the int4 kernel (kiln/layers/packed.py): this kernel reads it too, at 4.75 bits
-a weight against the int4 plane's 5, and in one process it ran 0.96-1.10x the int4 kernel's
-speed on a 1B model's matrices (benchmarks/kquant_kernel.py), so it bought nothing there.
+Q4_K ran on the int4 kernel before, as an int4 plane whose bf16 scale and zero per 32 columns
+round d·sc (5 bits a weight); here its values are exact and it streams 5% fewer bytes, at about
+the same speed (a 1B Q4_K_M-like file decoded 1.02x and 1.15x as fast in two in-process A/Bs;
+docs/performance.md, "Q5_K and Q4_K on the K-quant kernel"). Where this kernel does not run,
+`kiln.layers.packed.for_device` makes it the int4 plane again.
 
 A step's rows meet it as kiln/layers/packed_rows.py says: as int8 planes into the kernel, or
 a large batch through a dense copy or the weight dequantized."""
