@@ -22,20 +22,14 @@ from q6k_kernel import bf16_call  # beside this script
 from kiln.layers.cpu_int4_layout import cpu_block_n
 from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.kquant_kernel import kquant_matmul_kernel, random_codes
-from kiln.layers.kquant_layout import KQuantCodes, pack_kquant
-from kiln.layers.packed import Int4Codes, pack_plane
+from kiln.layers.kquant_layout import pack_kquant
+from kiln.layers.packed import QuantizedTensor, as_int4_plane, pack_plane
+
+CPU = torch.device("cpu")
 
 # a 1B layer's matrices, each copied enough that the copies exceed the cache
 SHAPES = {"gate_up 16384x2048": (16384, 2048, 2), "down 2048x8192": (2048, 8192, 8),
           "qkv 3072x2048": (3072, 2048, 12)}  # fmt: skip
-
-
-def as_int4(c: KQuantCodes) -> Int4Codes:
-    """A Q4_K matrix as the int4 plane the loader made of it before: scale d sc, zero 8 d sc -
-    dmin mn per 32 columns."""
-    scale = c.scale.float() * c.d.repeat_interleave(8, 1)
-    zero = 8 * scale - c.min.float() * c.dmin.repeat_interleave(8, 1)
-    return Int4Codes(c.codes, scale, zero, 32)
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -47,7 +41,8 @@ def shape_runs(n: int, k: int, copies: int, calls: int, g: torch.Generator) -> d
     q5 = [pack_kquant(random_codes(n, k, 5, g)) for _ in range(copies)]
     q4_codes = [random_codes(n, k, 4, g) for _ in range(copies)]
     q4 = [pack_kquant(c) for c in q4_codes]
-    planes = [pack_plane(as_int4(c), torch.device("cpu")) for c in q4_codes]
+    planes = [pack_plane(as_int4_plane(QuantizedTensor("Q4_K", [c])).planes[0], CPU)
+              for c in q4_codes]  # fmt: skip
     bf16 = [bf16_call(kq.dequantize_t(w, torch.bfloat16).t().contiguous()) for w in q5]
     x = torch.randn(1, k).bfloat16()
     block = cpu_block_n()

@@ -23,6 +23,7 @@ from kiln.layers.packed_experts import (
 )
 from kiln.loader.gguf_quant import gguf_codes
 from tests.conftest import packed_moe_kind
+from tests.gguf_files import quantize_q5_k
 
 T = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -43,6 +44,8 @@ def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
     """(the gguf package's dequantized float32 [n, k], kiln's planes) of one random matrix."""
     if kind == "Q4_K":
         data = _q4_k(n, k, rng)
+    elif kind == "Q5_K":  # the gguf package has no Q5_K quantizer
+        data = quantize_q5_k(rng.standard_normal((n, k)).astype(np.float32) * 0.1)
     else:
         data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, T[kind])
     ref = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).copy())
@@ -169,6 +172,20 @@ def test_gate_and_up_of_different_formats_make_their_stack_dense():
     assert set(experts.packed) == {"down_proj"}
     reason = experts.fallback_reasons["gate_up_proj"]
     assert "gate_proj and up_proj parts are in different" in reason
+    assert torch.equal(experts.gate_up_proj, gate_up)
+    x, ids, weights = _routing(7)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+def test_a_q5_k_gate_beside_a_q4_k_up_makes_the_stack_dense():
+    """A Q5_K part (the K-quant kernel's form, which experts have no kernel for) beside a Q4_K
+    one (int4 planes), both groups of 32: not one form, so the gate/up stack is dequantized
+    exactly and says why; the Q4_K down stack stays packed."""
+    experts, gate_up, down = _experts([("Q5_K", "Q4_K", "Q4_K")] * E)
+    assert set(experts.packed) == {"down_proj"}
+    assert "parts are in different" in experts.fallback_reasons["gate_up_proj"]
     assert torch.equal(experts.gate_up_proj, gate_up)
     x, ids, weights = _routing(7)
     ref = _per_token(x, gate_up, down, ids, weights)

@@ -72,6 +72,6 @@ def choose_packed_activations(model: nn.Module, policy: str, strict: bool) -> st
     for module in packed:
         module.int8_planes = planes
     described = {0: "float32", 1: "one int8 plane (8 bits)", 2: "two int8 planes (16 bits)"}
-    own = " (Q6_K, Q5_K: two int8 planes)" if planes == 0 and any(
+    own = " (Q6_K, Q5_K, Q4_K: two int8 planes)" if planes == 0 and any(
         isinstance(m, (PackedQ6K, PackedKQuant)) for m in packed) else ""  # fmt: skip
     return f"as {described[planes]} per 32 columns{own} (--packed-activations {policy})"

@@ -75,7 +75,7 @@ def kquant_matmul_kernel() -> KQuantMatmulKernel | None:
         lambda: load_kquant_matmul(FLAGS),
         self_check_error,
         SELF_CHECK_TOLERANCE,
-        "Q5_K tensors are dequantized",
+        "Q5_K tensors are dequantized and Q4_K ones run as int4 planes",
     )
 
 
@@ -99,12 +99,15 @@ def self_check_error(kernel: KQuantMatmulKernel) -> float:
 
 
 def random_codes(n: int, k: int, bits: int, generator: torch.Generator) -> KQuantCodes:
-    """Random codes, scales, mins and d (mins large enough that the min term matters)."""
+    """Random codes, scales, mins and d (mins large enough that the min term matters); d and
+    dmin fp16 values, as a file's are, so every product is exact in float32."""
     codes = torch.randint(0, 2**bits, (n, k), dtype=torch.uint8, generator=generator)
     scale, minimum = (
         torch.randint(0, 64, (n, k // 32), generator=generator).to(torch.uint8) for _ in range(2)
     )
-    d, dmin = (torch.rand(n, k // 256, generator=generator) / 1000 for _ in range(2))
+    d, dmin = (
+        (torch.rand(n, k // 256, generator=generator) / 1000).half().float() for _ in range(2)
+    )
     return KQuantCodes(codes, scale, minimum, d, dmin, bits)
 
 

@@ -133,6 +133,9 @@ def as_int4_plane(t: QuantizedTensor) -> QuantizedTensor:
 def for_device(t: QuantizedTensor, device: torch.device) -> QuantizedTensor:
     """`t` in the form `device`'s kernels take: a Q4_K matrix stays on the K-quant kernel (exact,
     4.75 bits a weight) where that runs, else becomes an int4 plane."""
+    plane = t.planes[0]
+    if not isinstance(plane, KQuantCodes) or plane.bits != 4:
+        return t
     if device.type == "cpu" and kquant_matmul_kernel() is not None:
         return t
     return as_int4_plane(t)

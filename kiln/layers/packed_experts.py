@@ -35,6 +35,7 @@ from kiln.layers.packed import (
     cat_rows,
     int4_matmul,
     pack_plane,
+    quantized_form,
 )
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 
@@ -170,11 +171,11 @@ class ExpertPacker:
         return pairs_table(table)
 
     def _reason(self, parts: list[QuantizedTensor]) -> str | None:
-        forms = {(len(p.planes), p.group_size) for p in parts}
-        if len(forms) > 1:
+        if len({quantized_form(p) for p in parts}) > 1:
             return f"its {' and '.join(self.part_names)} parts are in different quantized formats"
         rows = sum(p.shape[0] for p in parts)
-        form = (parts[0].kind, *forms.pop(), (rows, parts[0].shape[1]))
+        first = parts[0]
+        form = (first.kind, len(first.planes), first.group_size, (rows, first.shape[1]))
         if self.format is None:
             self.format = form  # type: ignore[assignment]
             return unpackable_reason(cat_rows(parts), self.device)

@@ -274,7 +274,7 @@ class GGUFSource(ModelSource):
             if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) in (2, 3):
                 form = {"Q6_K": "6-bit codes", "Q5_K": "5-bit codes"}.get(kind, "4-bit planes")
                 if kind == "Q4_K" and len(t.shape) == 2:
-                    form = "4-bit codes"
+                    form = "4-bit K-quant codes"
                 became[f"{kind} {what}read as {form}"] += 1
                 if len(t.shape) == 3:
                     yield from _expert_planes(parts[0][0], kind, t, parts)

@@ -219,11 +219,10 @@ class HybridTensors:
 def _cat(a: Tensor, b: Tensor) -> Tensor:
     """[a; b], kept quantized where both halves share one form (a Q4_K half beside another 4-bit
     format as int4 planes)."""
-    quantized = isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor)
-    if quantized and quantized_form(a) != quantized_form(b):
-        a, b = as_int4_plane(a), as_int4_plane(b)
-    if quantized and quantized_form(a) == quantized_form(b):
-        return cat_rows([a, b])
+    if isinstance(a, QuantizedTensor) and isinstance(b, QuantizedTensor):
+        for x, y in ((a, b), (as_int4_plane(a), as_int4_plane(b))):
+            if quantized_form(x) == quantized_form(y):
+                return cat_rows([x, y])
     return torch.cat([_as_dense(a).float(), _as_dense(b).float()])
 
 
@@ -239,14 +238,15 @@ def _columns(t: Tensor, index: torch.Tensor) -> Tensor:
     whole groups, else it is dequantized."""
     if isinstance(t, torch.Tensor):
         return t[:, index]
-    t = as_int4_plane(t)
+    exact = t
+    t = as_int4_plane(t)  # Q4_K: whole groups of its int4 plane move
     g = t.group_size
     if not isinstance(t.planes[0], Int4Codes):  # Q6_K, Q5_K: scales and d are not one group
         return t.dequantize()[:, index]
     groups = index.view(-1, g) if len(index) % g == 0 else None
     whole = groups is not None and bool((groups[:, 0] % g == 0).all())
     if not whole or not torch.equal(groups - groups[:, :1], torch.arange(g).expand_as(groups)):
-        return t.dequantize()[:, index]
+        return exact.dequantize()[:, index]
     group_index = groups[:, 0] // g
     planes = [Int4Codes(p.codes[:, index], p.scale[:, group_index], p.zero[:, group_index], g)
               for p in t.planes]  # fmt: skip

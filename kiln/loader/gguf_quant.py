@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from kiln.layers.kquant_layout import KQuantCodes
-from kiln.layers.packed import Int4Codes, QuantizedTensor
+from kiln.layers.packed import Int4Codes, QuantizedTensor, as_int4_plane
 from kiln.layers.q6k_layout import Q6KCodes
 
 PACKED_GGUF_TYPES = ("Q4_0", "Q4_1", "Q4_K", "Q8_0", "Q6_K", "Q5_K")
@@ -83,12 +83,8 @@ def q4_k_codes(blocks: np.ndarray) -> list[KQuantCodes]:
 
 
 def q4_k(blocks: np.ndarray) -> list[Int4Codes]:
-    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-    sc, mn = _k_scales_mins(blocks[..., 4:16])
-    qs = blocks[..., 16:144].reshape(*blocks.shape[:-1], 4, 32)
-    codes = _nibbles(qs)  # [..., 4, 64]: per 64 columns, the low-nibble sub-block first
-    scale = d * sc
-    return [_plane(codes, scale, 8 * scale - dmin * mn)]
+    """Q4_K as the int4 plane the int4 kernels take (`as_int4_plane` of its codes)."""
+    return as_int4_plane(QuantizedTensor("Q4_K", q4_k_codes(blocks))).planes  # type: ignore[return-value]
 
 
 def q8_0(blocks: np.ndarray) -> list[Int4Codes]:
