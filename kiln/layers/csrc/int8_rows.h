@@ -1,11 +1,12 @@
 // Rows of activations as int8 planes per chunk of 32 columns, as llama.cpp's Q8 rows, and the
 // gather of the int4 layout's codes into vpdpbusd's lanes: shared by the packed-weight kernels'
-// int8 paths (int4_mm.cpp, q6k_mm.cpp).
+// int8 paths (int4_mm.cpp, q6k_mm.cpp, kquant_mm.cpp).
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -38,6 +39,39 @@ inline void quantize_rows(const float* x, int64_t rows, int64_t k, int planes, i
     }
   }
 }
+
+// The float factor of row m's chunk holding column kk: with two planes the sums are taken at
+// 256 times the first plane's scale
+inline float chunk_scale(const float* xscale, int64_t k, int planes, int64_t m, int64_t kk) {
+  const float s = xscale[m * (k / CHUNK) + kk / CHUNK];
+  return planes == 2 ? s * (1.0f / 256) : s;
+}
+
+// Row m's int8 planes at column kk combined as the sums combine them: 256 x0 + x1, or x0
+inline int32_t combined(const int8_t* xq, int64_t rows, int64_t k, int planes, int64_t m,
+                        int64_t kk) {
+  const int32_t x0 = xq[m * k + kk];
+  return planes == 2 ? 256 * x0 + xq[(rows + m) * k + kk] : x0;
+}
+
+// A product's rows as `planes` int8 planes and their chunks' scales (quantize_rows)
+struct QuantizedRows {
+  std::vector<int8_t> xq;
+  std::vector<float> xscale;
+  QuantizedRows(const float* x, int64_t rows, int64_t k, int planes, int threads)
+      : xq(planes * rows * k), xscale(rows * (k / CHUNK)) {
+    quantize_rows(x, rows, k, planes, xq.data(), xscale.data(), threads);
+  }
+};
+
+// `run_block(b)` for each block b of the output's columns, the blocks split across `threads`
+template <typename RunBlock>
+void for_each_block(int64_t blocks, int threads, RunBlock run_block) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t b = 0; b < blocks; ++b) run_block(b);
+}
+
+inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }  // prefetcht0
 
 #if defined(__AVX512F__)
 // The gather of a quad of columns of PyTorch's CPU int4 layout (blocks of 64 rows, a column's 32

@@ -42,6 +42,7 @@ namespace {
 
 using kiln_bf16::float_to_bf16;
 using kiln_int8_rows::CHUNK;
+using kiln_int8_rows::prefetch;
 #if defined(__AVX512F__)
 using kiln_int8_rows::quad_index;
 #endif
@@ -75,16 +76,12 @@ inline const float* d_of(const Problem& p, int64_t block, int64_t s) {
   return p.d_dmin + (block * (p.k / SUPER) + s) * 2 * BLOCK;
 }
 
-// The float factor of a row's chunk: the second plane's sums are taken at 256 times the first's
 inline float chunk_scale(const Problem& p, int64_t m, int64_t kk) {
-  const float s = p.xscale[m * (p.k / CHUNK) + kk / CHUNK];
-  return p.planes == 2 ? s * (1.0f / 256) : s;
+  return kiln_int8_rows::chunk_scale(p.xscale, p.k, static_cast<int>(p.planes), m, kk);
 }
 
-// The rows' int8 planes combined as the sums combine them: 256 x0 + x1, or x0
 inline int32_t combined(const Problem& p, int64_t m, int64_t kk) {
-  const int32_t x0 = p.xq[m * p.k + kk];
-  return p.planes == 2 ? 256 * x0 + p.xq[(p.rows + m) * p.k + kk] : x0;
+  return kiln_int8_rows::combined(p.xq, p.rows, p.k, static_cast<int>(p.planes), m, kk);
 }
 
 inline int q_at(const Problem& p, int64_t block, int64_t row, int64_t kk) {
@@ -124,8 +121,6 @@ void run_block_portable(const Problem& p, int64_t block) {
 #if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
 #define KILN_KQUANT_VNNI 1
 constexpr int64_t CODES_AHEAD = 1024;  // bytes of low nibbles asked for ahead (as int4_mm.cpp)
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 // A quad of columns as q in dpbusd's lanes, outputs 16 j .. 16 j + 15 in w[j].
 template <int BITS>
@@ -265,20 +260,15 @@ struct Weight {
 
 void kquant_mm(const float* x, int64_t rows, int64_t k, const Weight& w, float* out, int planes,
                int threads, bool portable) {
-  std::vector<int8_t> xq(planes * rows * k);
-  std::vector<float> xscale(rows * (k / CHUNK)), sums(rows * (k / SUB));
-  kiln_int8_rows::quantize_rows(x, rows, k, planes, xq.data(), xscale.data(), threads);
-  Problem p{xq.data(), xscale.data(), sums.data(), rows, k, planes, w.bits, w.low, w.high,
+  const kiln_int8_rows::QuantizedRows q(x, rows, k, planes, threads);
+  std::vector<float> sums(rows * (k / SUB));
+  Problem p{q.xq.data(), q.xscale.data(), sums.data(), rows, k, planes, w.bits, w.low, w.high,
             w.scales_mins, w.d_dmin, w.n, out};
   row_sums(p, sums.data());
   std::memset(out, 0, sizeof(float) * rows * w.n);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < w.n / BLOCK; ++b) {
-    if (portable)
-      run_block_portable(p, b);
-    else
-      run_block(p, b);
-  }
+  kiln_int8_rows::for_each_block(w.n / BLOCK, threads, [&](int64_t b) {
+    portable ? run_block_portable(p, b) : run_block(p, b);
+  });
 }
 
 // W^T [k, n] in T (float or bf16): q (sc d) - mn dmin, both products exact in float32 (6 + 11

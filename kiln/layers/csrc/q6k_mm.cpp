@@ -36,6 +36,7 @@ namespace {
 
 using kiln_bf16::float_to_bf16;
 using kiln_int8_rows::CHUNK;
+using kiln_int8_rows::prefetch;
 #if defined(__AVX512F__)
 using kiln_int8_rows::quad_index;
 #endif
@@ -57,16 +58,12 @@ struct Problem {
   float* out;            // [rows, n], added into
 };
 
-// The float factor of a row's chunk: the second plane's sums are taken at 256 times the first's
 inline float chunk_scale(const Problem& p, int64_t m, int64_t kk) {
-  const float s = p.xscale[m * (p.k / CHUNK) + kk / CHUNK];
-  return p.planes == 2 ? s * (1.0f / 256) : s;
+  return kiln_int8_rows::chunk_scale(p.xscale, p.k, static_cast<int>(p.planes), m, kk);
 }
 
-// The rows' int8 planes combined as the sums combine them: 256 x0 + x1, or x0
 inline int32_t combined(const Problem& p, int64_t m, int64_t kk) {
-  const int32_t x0 = p.xq[m * p.k + kk];
-  return p.planes == 2 ? 256 * x0 + p.xq[(p.rows + m) * p.k + kk] : x0;
+  return kiln_int8_rows::combined(p.xq, p.rows, p.k, static_cast<int>(p.planes), m, kk);
 }
 
 inline int q_at(const Problem& p, int64_t block, int64_t row, int64_t kk) {
@@ -107,8 +104,6 @@ constexpr int64_t CODES_AHEAD = 1024;  // bytes of low nibbles asked for ahead (
 #define KILN_Q6K_SCALES_AHEAD 4
 #endif
 constexpr int64_t SCALES_AHEAD = KILN_Q6K_SCALES_AHEAD;
-
-inline void prefetch(const void* p) { _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0); }
 
 // A quad of columns as q (0..63) in dpbusd's lanes, outputs 16 j .. 16 j + 15 in w[j].
 inline void quad_codes(const uint8_t* low, const uint8_t* high, __m512i idx0, __m512i idx1,
@@ -214,21 +209,15 @@ void row_bias(const Problem& p, int32_t* bias) {
 void q6k_mm(const float* x, int64_t rows, int64_t k, const uint8_t* low, const uint8_t* high,
             const int8_t* sub_scales, const float* d, int64_t n, float* out, int planes,
             int threads, bool portable) {
-  std::vector<int8_t> xq(planes * rows * k);
-  std::vector<float> xscale(rows * (k / CHUNK));
+  const kiln_int8_rows::QuantizedRows q(x, rows, k, planes, threads);
   std::vector<int32_t> bias(rows * (k / SUB));
-  kiln_int8_rows::quantize_rows(x, rows, k, planes, xq.data(), xscale.data(), threads);
-  Problem p{xq.data(), xscale.data(), bias.data(), rows, k, planes, low, high, sub_scales, d, n,
-            out};
+  Problem p{q.xq.data(), q.xscale.data(), bias.data(), rows, k, planes, low, high, sub_scales, d,
+            n, out};
   row_bias(p, bias.data());
   std::memset(out, 0, sizeof(float) * rows * n);
-#pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t b = 0; b < n / BLOCK; ++b) {
-    if (portable)
-      run_block_portable(p, b);
-    else
-      run_block(p, b);
-  }
+  kiln_int8_rows::for_each_block(n / BLOCK, threads, [&](int64_t b) {
+    portable ? run_block_portable(p, b) : run_block(p, b);
+  });
 }
 
 // W^T [k, n] in T (float or bf16): (q - 32) * (sc * d), exact in float32 (11 + 7 + 6 bits),
