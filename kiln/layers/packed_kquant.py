@@ -4,10 +4,10 @@ of their matrices in Q5_K, which dequantized to bf16 streamed 2.9 times the byte
 reads from the file (a 1B Q5_K_M-like file decoded 1.73x faster packed, mode 3).
 
 Q4_K ran on the int4 kernel before, as an int4 plane whose bf16 scale and zero per 32 columns
-round d·sc (5 bits a weight); here its values are exact and it streams 5% fewer bytes, at about
-the same speed (a 1B Q4_K_M-like file decoded 1.02x and 1.15x as fast in two in-process A/Bs;
-docs/performance.md, "Q5_K and Q4_K on the K-quant kernel"). Where this kernel does not run,
-`kiln.layers.packed.for_device` makes it the int4 plane again.
+round d·sc (5 bits a weight); here its values are exact and it streams 5% fewer bytes, as fast
+or faster (a 1B Q4_K_M-like file decoded 1.15x, 1.02x and 1.12x as fast in three in-process
+A/Bs; docs/performance.md, "Q5_K and Q4_K on the K-quant kernel"). Where this kernel does not
+run, `kiln.layers.packed.for_device` makes it the int4 plane again.
 
 A step's rows meet it as kiln/layers/packed_rows.py says: as int8 planes into the kernel, or
 a large batch through a dense copy or the weight dequantized."""
