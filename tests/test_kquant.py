@@ -251,3 +251,27 @@ def test_the_op_and_its_fake_agree():
             assert y.shape == (rows, 64)
     with pytest.raises(ValueError, match="256 columns"):
         kquant_matmul_kernel().matmul(torch.randn(1, 100), w, torch.float32)
+
+
+@needs_kernel
+def test_steps_of_few_rows_stream_the_packed_weight_beside_a_dense_copy():
+    """A bf16 Q5_K layer with its dense copy (--prefill-weights dense): a step of up to
+    DENSE_COPY_MIN_ROWS - 1 rows still goes through the K-quant kernel (the same values as
+    without the copy, bit for bit), a step of DENSE_COPY_MIN_ROWS rows through the copy (the
+    dense product within bf16 rounding)."""
+    from kiln.boot.prefill_weights import keep_dense_copies
+    from kiln.layers.packed_rows import DENSE_COPY_MIN_ROWS
+
+    _, t = _q5_k(64, 256, seed=11)
+    layer = Linear(256, 64).to(torch.bfloat16)
+    layer.load_weight("w", t)
+    few = torch.randn(DENSE_COPY_MIN_ROWS - 1, 256).bfloat16()
+    many = torch.randn(DENSE_COPY_MIN_ROWS, 256).bfloat16()
+    before = layer(few), layer(many)
+    keep_dense_copies(torch.nn.Sequential(layer), torch.bfloat16, CPU, "dense")
+    assert layer.packed.dense is not None
+    assert torch.equal(layer(few), before[0])
+    after = layer(many)
+    ref = many.float() @ layer.packed.dequantize().t()
+    torch.testing.assert_close(after.float(), ref, rtol=0, atol=2**-7 * ref.abs().max().item())
+    assert not torch.equal(after, before[1])  # the copy's bf16 products, not the kernel's
