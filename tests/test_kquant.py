@@ -256,17 +256,17 @@ def test_the_op_and_its_fake_agree():
 @needs_kernel
 def test_steps_of_few_rows_stream_the_packed_weight_beside_a_dense_copy():
     """A bf16 Q5_K layer with its dense copy (--prefill-weights dense): a step of up to
-    DENSE_COPY_MIN_ROWS - 1 rows still goes through the K-quant kernel (the same values as
-    without the copy, bit for bit), a step of DENSE_COPY_MIN_ROWS rows through the copy (the
+    INT8_COPY_MIN_ROWS - 1 rows still goes through the K-quant kernel (the same values as
+    without the copy, bit for bit), a step of INT8_COPY_MIN_ROWS rows through the copy (the
     dense product within bf16 rounding)."""
     from kiln.boot.prefill_weights import keep_dense_copies
-    from kiln.layers.packed_rows import DENSE_COPY_MIN_ROWS
+    from kiln.layers.packed import INT8_COPY_MIN_ROWS
 
     _, t = _q5_k(64, 256, seed=11)
     layer = Linear(256, 64).to(torch.bfloat16)
     layer.load_weight("w", t)
-    few = torch.randn(DENSE_COPY_MIN_ROWS - 1, 256).bfloat16()
-    many = torch.randn(DENSE_COPY_MIN_ROWS, 256).bfloat16()
+    few = torch.randn(INT8_COPY_MIN_ROWS - 1, 256).bfloat16()
+    many = torch.randn(INT8_COPY_MIN_ROWS, 256).bfloat16()
     before = layer(few), layer(many)
     keep_dense_copies(torch.nn.Sequential(layer), torch.bfloat16, CPU, "dense")
     assert layer.packed.dense is not None

@@ -65,6 +65,11 @@ DENSE_MIN_ROWS = 16
 # with a copy on kiln's bf16 kernel, from here on: 6.1 against 9.3 ms at 2 rows, 9.6 against 31
 # at 16, for the embedded model's 30 layers (docs/performance.md, "A bf16 kernel for the linears")
 PAIRS_MIN_ROWS = 2
+# rows that go into a kernel as int8 planes take the bf16 copy from here: a decode step of up to
+# 3 rows streams the packed weight (a 1B Q4_K gate_up, 16384x2048, from memory: 556 against 1829
+# us at 2 rows on the K-quant kernel, 1073 against 1827 at 4, level at 8; three streams of a 1B
+# Q4_K_M-like file 1.18x, six 0.83x: docs/performance.md, "Q5_K and Q4_K on the K-quant kernel")
+INT8_COPY_MIN_ROWS = 4
 
 
 @dataclass
@@ -474,8 +479,10 @@ def _int4_or_dense_mm(
     """CPU, [R, K] rows -> [R, N padded] in the dense copy's dtype: the int4 planes (a second
     one for Q8_0, added in float32 by kiln's kernel) below the copy's switch, the dense copy
     (padded like the planes) from there: PAIRS_MIN_ROWS on kiln's bf16 kernel, DENSE_MIN_ROWS
-    on oneDNN. A decode step calls it for every linear, so it does no more than it must."""
-    if dense.dim() == 4 and rows.shape[0] >= PAIRS_MIN_ROWS:
+    on oneDNN (INT8_COPY_MIN_ROWS where one plane's rows go in as int8 planes). A decode step
+    calls it for every linear, so it does no more than it must."""
+    pairs_from = INT8_COPY_MIN_ROWS if int8_planes and packed1 is None else PAIRS_MIN_ROWS
+    if dense.dim() == 4 and rows.shape[0] >= pairs_from:
         half = rows.to(torch.bfloat16).contiguous()
         return bf16_matmul_kernel().matmul(half, dense, scales_zeros.shape[1])  # type: ignore[union-attr]
     if dense.dim() == 2 and rows.shape[0] >= DENSE_MIN_ROWS:

@@ -1,6 +1,6 @@
 """How a step's rows meet a weight on one of kiln's int8-row kernels (Q6_K's, the K-quants'):
 the dense copy where one is kept (`--prefill-weights`) and the batch is large enough for it
-(from DENSE_COPY_MIN_ROWS rows, and DENSE_MIN_ROWS on oneDNN);
+(from INT8_COPY_MIN_ROWS rows, and DENSE_MIN_ROWS on oneDNN);
 from DEQUANT_MIN_ROWS rows the weight dequantized and one dense matmul (with int8 planes only
 where AMX multiplies bf16, as int4_matmul chooses); else the kernel, each row alone, the rows as
 int8 planes (two unless `--packed-activations int8` asks for one; `float` keeps two, these
@@ -14,13 +14,7 @@ import torch
 
 from kiln.layers.bf16_kernel import has_amx
 from kiln.layers.int4_kernel import CAST_DTYPES
-from kiln.layers.packed import DEQUANT_MIN_ROWS, dense_product
-
-# A decode step of up to 3 rows streams the packed weight, not the dense bf16 copy: on a 1B
-# gate_up (16384x2048, from memory) a Q4_K weight on the K-quant kernel took 556 against 1829 us
-# at 2 rows, 1073 against 1827 at 4, level at 8; on a down (2048x8192) 291 against 514 at 2,
-# level at 4 (docs/performance.md, "Q5_K and Q4_K on the K-quant kernel")
-DENSE_COPY_MIN_ROWS = 4
+from kiln.layers.packed import DEQUANT_MIN_ROWS, INT8_COPY_MIN_ROWS, dense_product
 
 
 def output_dtype(rows: torch.Tensor, dense: torch.Tensor | None) -> torch.dtype:
@@ -41,7 +35,7 @@ def row_kernel_product(
 ) -> torch.Tensor:
     """[R, K] rows times a packed weight -> [R, n] in `output_dtype`. `matmul(rows, dtype,
     planes)` and `dequantize_t(dtype)` are the weight's kernel calls."""
-    copy = dense is not None and rows.shape[0] >= DENSE_COPY_MIN_ROWS
+    copy = dense is not None and rows.shape[0] >= INT8_COPY_MIN_ROWS
     if copy and (y := dense_product(rows, dense, n)) is not None:
         return y
     dtype = output_dtype(rows, dense)
