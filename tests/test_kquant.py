@@ -255,23 +255,24 @@ def test_the_op_and_its_fake_agree():
 
 @needs_kernel
 def test_steps_of_few_rows_stream_the_packed_weight_beside_a_dense_copy():
-    """A bf16 Q5_K layer with its dense copy (--prefill-weights dense): a step of up to
-    INT8_COPY_MIN_ROWS - 1 rows still goes through the K-quant kernel (the same values as
-    without the copy, bit for bit), a step of INT8_COPY_MIN_ROWS rows through the copy (the
-    dense product within bf16 rounding)."""
+    """A bf16 Q5_K layer with its dense copy (--prefill-weights dense): a step of fewer rows
+    than the copy's switch (INT8_COPY_MIN_ROWS on kiln's bf16 kernel, DENSE_MIN_ROWS on oneDNN)
+    still goes through the K-quant kernel (the same values as without the copy, bit for bit), a
+    step of the switch's rows through the copy (the dense product within bf16 rounding)."""
     from kiln.boot.prefill_weights import keep_dense_copies
-    from kiln.layers.packed import INT8_COPY_MIN_ROWS
+    from kiln.layers.packed import DENSE_MIN_ROWS, INT8_COPY_MIN_ROWS
 
     _, t = _q5_k(64, 256, seed=11)
     layer = Linear(256, 64).to(torch.bfloat16)
     layer.load_weight("w", t)
-    few = torch.randn(INT8_COPY_MIN_ROWS - 1, 256).bfloat16()
-    many = torch.randn(INT8_COPY_MIN_ROWS, 256).bfloat16()
-    before = layer(few), layer(many)
+    x = torch.randn(DENSE_MIN_ROWS, 256).bfloat16()
+    before = {rows: layer(x[:rows]) for rows in range(1, DENSE_MIN_ROWS + 1)}
     keep_dense_copies(torch.nn.Sequential(layer), torch.bfloat16, CPU, "dense")
-    assert layer.packed.dense is not None
-    assert torch.equal(layer(few), before[0])
-    after = layer(many)
-    ref = many.float() @ layer.packed.dequantize().t()
+    dense = layer.packed.dense
+    assert dense is not None
+    switch = INT8_COPY_MIN_ROWS if dense.dim() == 4 else DENSE_MIN_ROWS  # bf16 pairs or oneDNN
+    assert torch.equal(layer(x[: switch - 1]), before[switch - 1])
+    after = layer(x[:switch])
+    ref = x[:switch].float() @ layer.packed.dequantize().t()
     torch.testing.assert_close(after.float(), ref, rtol=0, atol=2**-7 * ref.abs().max().item())
-    assert not torch.equal(after, before[1])  # the copy's bf16 products, not the kernel's
+    assert not torch.equal(after, before[switch])  # the copy's bf16 products, not the kernel's

@@ -9,8 +9,16 @@ import torch
 
 from kiln.errors import ConfigError
 from kiln.layers.bf16_kernel import bf16_matmul_kernel, pack_pairs
+from kiln.layers.cpu_int4_layout import cpu_block_n
+from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import onednn_runs, prepack_for_cpu
-from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedInt4
+from kiln.layers.packed import (
+    DENSE_MIN_ROWS,
+    DEQUANT_MIN_ROWS,
+    INT8_COPY_MIN_ROWS,
+    PAIRS_MIN_ROWS,
+    PackedInt4,
+)
 from kiln.models.weights import describe_weights
 from tests.helpers import make_engine
 from tests.test_packed import BF16_ULP, CPU, _gguf_tensor
@@ -26,16 +34,24 @@ COPIES = {"onednn": (prepack_for_cpu, DENSE_MIN_ROWS), "pairs": (pack_pairs, PAI
 @needs_bf16_onednn
 @pytest.mark.parametrize("copy", ["onednn", "pairs"])
 @pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
-@pytest.mark.parametrize("rows", [1, 2, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
-def test_dense_copy_matches_the_dequantized_matmul(copy, kind, rows):
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, DENSE_MIN_ROWS - 1, DENSE_MIN_ROWS, 300])
+@pytest.mark.parametrize("int8_planes", [0, 2])
+def test_dense_copy_matches_the_dequantized_matmul(copy, kind, rows, int8_planes):
     """Either copy (kiln's bf16 kernel's pairs, oneDNN's layout) from its switch on, the int4
-    planes below it."""
+    planes below it: the pairs from 2 rows, or from INT8_COPY_MIN_ROWS where one plane's rows
+    go in as int8 planes (Q8_0's two planes: from 2)."""
     if copy == "pairs" and bf16_matmul_kernel() is None:
         pytest.skip("kiln's bf16 kernel needs AVX512-BF16")
+    kernel = int4_matmul_kernel()
+    if int8_planes and not (kernel is not None and kernel.has_int8_rows and cpu_block_n() == 64):
+        pytest.skip("kiln's int4 kernel has no int8 path here (AVX512-VNNI and VBMI)")
     pack, switch = COPIES[copy]
+    if copy == "pairs" and int8_planes and kind != "Q8_0":
+        switch = INT8_COPY_MIN_ROWS
     n, k = 100, 512  # 100 rows: the planes and the copy are padded to 128
     ref_w, planes = _gguf_tensor(kind, n, k)
     with_copy, without = PackedInt4(planes, CPU), PackedInt4(planes, CPU)
+    with_copy.int8_planes = without.int8_planes = int8_planes
     with_copy.keep_dense_copy(pack(with_copy.dense_weight(torch.bfloat16)))
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     y = with_copy(x)
@@ -43,8 +59,10 @@ def test_dense_copy_matches_the_dequantized_matmul(copy, kind, rows):
     ref = x.float() @ torch.from_numpy(ref_w).t()
     tol = 8 * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
-    if rows < switch:  # small batches stay on the int4 kernel: the very same values
-        assert torch.equal(y, without(x))
+    if (
+        rows < DEQUANT_MIN_ROWS
+    ):  # below the switch the int4 kernel's very values, from it the copy's
+        assert torch.equal(y, without(x)) == (rows < switch)
 
 
 def _copies(engine) -> list[bool]:

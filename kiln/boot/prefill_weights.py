@@ -6,8 +6,10 @@ dequantized to bf16 instead, and dequantizing every weight for every chunk costs
 as the chunk's matmuls (docs/performance.md, "Packed weights under concurrency"). A dense copy
 made once at load removes that cost for two bytes per weight more memory (the embedded model:
 257 MiB beside its 97 MiB of planes). A bf16 copy is packed for kiln's bf16 kernel where it runs
-(`--cpu-linears auto`), which beats the int4 kernel from 2 rows, so decode steps of two or more
-streams take it too; a oneDNN copy takes batches of 16 rows and more. Only half-precision
+(`--cpu-linears auto`), which beats the int4 kernel's float path from 2 rows, so decode steps of
+two or more streams take it too, and from 4 rows where the rows go in as int8 planes (Q6_K, the
+K-quants, int4 planes with --packed-activations int16/int8/auto on a VNNI CPU; Q8_0's two planes
+keep 2); a oneDNN copy takes batches of 16 rows and more. Only half-precision
 models on the CPU take copies: a float32 model's rows stay on the int4 kernel, each row computed
 alone, so its results do not depend on the batch."""
 
@@ -22,7 +24,7 @@ from kiln.boot.kv_cache import available_memory
 from kiln.errors import ConfigError
 from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.linear import Linear, onednn_runs, pack_for_cpu
-from kiln.layers.packed import DENSE_MIN_ROWS, PAIRS_MIN_ROWS, PackedWeight
+from kiln.layers.packed import DENSE_MIN_ROWS, INT8_COPY_MIN_ROWS, PAIRS_MIN_ROWS, PackedWeight
 
 logger = logging.getLogger(__name__)
 
@@ -68,12 +70,14 @@ def keep_dense_copies(
         packed.keep_dense_copy(copy)
         on_kernel = layout == "pairs"
     logger.info(
-        "packed weights: dense %s copies of %d tensors on %s for batches of %d+ rows (%.1f MiB; "
+        "packed weights: dense %s copies of %d tensors on %s for batches of %s rows (%.1f MiB; "
         "--prefill-weights packed saves them)",
         str(dtype).removeprefix("torch."),
         len(layers),
         "kiln's bf16 kernel" if on_kernel else "oneDNN",
-        PAIRS_MIN_ROWS if on_kernel else DENSE_MIN_ROWS,
+        f"{PAIRS_MIN_ROWS}+ ({INT8_COPY_MIN_ROWS}+ where rows go in as int8 planes)"
+        if on_kernel
+        else f"{DENSE_MIN_ROWS}+",
         need / 2**20,
     )
 

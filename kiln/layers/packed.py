@@ -28,8 +28,9 @@ compiled graphs, so the choice cannot be made while tracing.
 Dequantizing every weight for every prefill chunk costs about as much as the chunk's matmuls.
 A half-precision model on the CPU can instead keep a dense copy of each packed weight beside it
 (`dense`, set by kiln/boot/prefill_weights.py): a bf16 copy packed in pairs for kiln's bf16
-kernel where it runs, which takes batches from PAIRS_MIN_ROWS rows, else a oneDNN copy, from
-DENSE_MIN_ROWS rows; smaller batches (decode steps) stream the 4-bit planes."""
+kernel where it runs, which takes batches from PAIRS_MIN_ROWS rows (INT8_COPY_MIN_ROWS where
+one plane's rows go in as int8 planes), else a oneDNN copy, from DENSE_MIN_ROWS rows; smaller
+batches (decode steps) stream the 4-bit planes."""
 
 from __future__ import annotations
 
@@ -66,9 +67,9 @@ DENSE_MIN_ROWS = 16
 # at 16, for the embedded model's 30 layers (docs/performance.md, "A bf16 kernel for the linears")
 PAIRS_MIN_ROWS = 2
 # rows that go into a kernel as int8 planes take the bf16 copy from here: a decode step of up to
-# 3 rows streams the packed weight (a 1B Q4_K gate_up, 16384x2048, from memory: 556 against 1829
-# us at 2 rows on the K-quant kernel, 1073 against 1827 at 4, level at 8; three streams of a 1B
-# Q4_K_M-like file 1.18x, six 0.83x: docs/performance.md, "Q5_K and Q4_K on the K-quant kernel")
+# 3 rows streams the packed weight. In the engine (a 1B Q4_K_M-like file, bf16) three streams
+# decoded 1.18x faster so, six streams 0.82x (the copy faster there); 4 and 5 were not measured
+# apart (docs/performance.md, "Q5_K and Q4_K on the K-quant kernel")
 INT8_COPY_MIN_ROWS = 4
 
 

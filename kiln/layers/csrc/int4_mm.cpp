@@ -47,13 +47,7 @@ using kiln_int8_rows::quantize_rows;
 // 1.3x faster from memory (docs/performance.md, "Asking for the weights ahead").
 constexpr int64_t CODES_AHEAD = 1024;  // bytes; 512: 0.96x, 2048: level, 4096: 0.92x
 
-inline void prefetch(const void* p) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-  _mm_prefetch(static_cast<const char*>(p), _MM_HINT_T0);
-#else
-  __builtin_prefetch(p);
-#endif
-}
+using kiln_int8_rows::prefetch;
 
 // The table entries of group g for the `width` outputs after n0's block: 2 bytes a term.
 inline void prefetch_next_scales(const uint16_t* scales_zeros, int64_t terms, int64_t g,

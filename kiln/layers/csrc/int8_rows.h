@@ -1,6 +1,7 @@
-// Rows of activations as int8 planes per chunk of 32 columns, as llama.cpp's Q8 rows, and the
-// gather of the int4 layout's codes into vpdpbusd's lanes: shared by the packed-weight kernels'
-// int8 paths (int4_mm.cpp, q6k_mm.cpp, kquant_mm.cpp).
+// Rows of activations as int8 planes per chunk of 32 columns, as llama.cpp's Q8 rows, what a
+// kernel reads of them (a chunk's scale, the planes combined), the loop over blocks of outputs,
+// a prefetch, and the gather of the int4 layout's codes into vpdpbusd's lanes: shared by the
+// packed-weight kernels' int8 paths (int4_mm.cpp, q6k_mm.cpp, kquant_mm.cpp).
 #pragma once
 
 #include <algorithm>

@@ -21,6 +21,7 @@
 // loops compute the same sums in the same order: the reference the tests hold the vector path
 // to, bit for bit.
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
