@@ -47,7 +47,7 @@ LINEAR_OPS = (
     "aten::matmul",
 )
 ATTENTION_OPS = ("kiln::cpu_paged_attention", "kiln::torch_paged_attention")
-EXPERT_OPS = ("kiln::moe_experts",)  # and kiln::moe_experts_int4
+EXPERT_OPS = ("kiln::moe_experts",)  # and kiln::moe_experts_packed
 
 
 class Timers:

@@ -11,8 +11,9 @@ file of that size is on the machine: kiln and llama.cpp both load it.
         --out /tmp/moe.gguf   # 4 of Qwen3-30B-A3B's mixture-of-experts layers (qwen3moe)
 
 `Q4_K_M` and `Q5_K_M` mix types as llama.cpp's recipes do: Q6_K for the tied embedding (the
-head), and for attn_v and ffn_down in the layers its `use_more_bits` picks (the first and last
-eighth, every third between), Q4_K (Q5_K) for the rest.
+head), and for attn_v and ffn_down (a mixture-of-experts file's down experts too) in the layers
+its `use_more_bits` picks (the first and last eighth, every third between), Q4_K (Q5_K) for the
+rest.
 
 Every matrix (the tied embedding too) is random blocks of the chosen type, scaled so weights have
 a standard deviation near 0.02 and the activations stay finite; norms are ones. The embedding rows
@@ -101,8 +102,8 @@ def _kind_of(kind: str, name: str, layers: int) -> str:
         return kind
     if name == "token_embd.weight":
         return "Q6_K"
-    parts = name.split(".")
-    if parts[2] in ("attn_v", "ffn_down") and _more_bits(int(parts[1]), layers):
+    parts = name.split(".")  # ffn_down_exps too: llama.cpp matches "ffn_down" in the name
+    if parts[2] in ("attn_v", "ffn_down", "ffn_down_exps") and _more_bits(int(parts[1]), layers):
         return "Q6_K"
     return MIXES[kind]
 
@@ -132,17 +133,19 @@ def _copy_tokenizer(writer: gguf.GGUFWriter, vocab: int) -> list[int]:
     return [i for i, kind in enumerate(source["tokenizer.ggml.token_type"]) if kind == 3]
 
 
-def _experts(w: gguf.GGUFWriter, rng: np.random.Generator, make, kind: str, layer: int,
+def _experts(w: gguf.GGUFWriter, rng: np.random.Generator, kind: str, layer: int,
              s: dict) -> None:  # fmt: skip
     """A sparse layer as llama.cpp stores it: the router (float32: routing is exact in both
-    engines) and each projection's experts stacked, [experts, rows, columns]."""
+    engines) and each projection's experts stacked, [experts, rows, columns], in the type
+    `kind`'s recipe gives it (Q4_K_M: Q6_K down experts in use_more_bits' layers)."""
     experts, hidden, inter = s["experts"], s["hidden"], s["expert_intermediate"]
     router = rng.standard_normal((experts, hidden)).astype(np.float32) * TARGET_STD
     w.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router)
     for name, n, k in (("ffn_gate_exps", inter, hidden), ("ffn_up_exps", inter, hidden),
                        ("ffn_down_exps", hidden, inter)):  # fmt: skip
-        stacked = np.stack([make(rng, n, k) for _ in range(experts)])
-        w.add_tensor(f"blk.{layer}.{name}.weight", stacked, raw_dtype=T[kind])
+        of = _kind_of(kind, f"blk.{layer}.{name}.weight", s["layers"])
+        stacked = np.stack([MAKERS[of](rng, n, k) for _ in range(experts)])
+        w.add_tensor(f"blk.{layer}.{name}.weight", stacked, raw_dtype=T[of])
 
 
 def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
@@ -166,8 +169,6 @@ def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
 
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
-    base = MIXES.get(kind, kind)  # the experts' type (Q4_K_M: Q4_K)
-    make = MAKERS[base]
     w = gguf.GGUFWriter(out, s.get("arch", "llama"))
     w.add_name(f"random {shape} {kind}")
     _metadata(w, s)
@@ -190,7 +191,7 @@ def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
                            ("attn_v", kv_dim, hidden), ("attn_output", hidden, q_dim)):  # fmt: skip
             matrix(f"blk.{i}.{name}.weight", n, k)
         if s.get("experts"):
-            _experts(w, rng, make, base, i, s)
+            _experts(w, rng, kind, i, s)
         else:
             for name, n, k in (("ffn_gate", s["intermediate"], hidden),
                                ("ffn_up", s["intermediate"], hidden),

@@ -3,21 +3,29 @@ active expert, and the grouped product CUDA graphs capture) against HF transform
 Qwen3-MoE block on the same weights, in one run, interleaved, medians of each. Shapes are
 Qwen3-30B-A3B's expert mix (128 experts, top 8) scaled to a small machine by default.
 
-With `--int4`, a block whose experts are kept 4-bit packed (the HF weights quantized to Q4_0
-by the `gguf` package: kiln's CPU kernel, or the grouped int4 Triton kernel on CUDA) joins;
-its output is checked against HF's within Q4_0's error.
+With `--packed TYPE ...` (`--int4`: Q4_0), a block per GGUF type whose experts are kept packed
+joins: the HF weights quantized to that type (Q4_0 by the `gguf` package; Q4_K, Q5_K and Q6_K as
+random blocks of the type, as benchmarks/make_random_gguf.py writes them), on kiln's CPU kernels
+(int4 planes, or the Q6_K and K-quant kernels) or the grouped int4 Triton kernel on CUDA. Q4_K_M
+is Q4_K gate/up beside Q6_K down experts (a Q4_K_M file's more-bits layers); Q4_K-int4 is Q4_K
+as int4 planes (where the K-quant kernel does not run). Each packed block is checked against
+kiln's per-expert block on its weights dequantized, and timed beside HF's and the dense ones.
 
     python benchmarks/moe_block.py                                # CPU, fp32
     python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
-        --dtype bfloat16 --int4"""
+        --dtype bfloat16 --packed Q4_K_M Q4_K-int4 Q6_K"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import statistics
 import time
+from pathlib import Path
+from types import ModuleType
 
+import numpy as np
 import torch
 
 from kiln.layers import moe
@@ -50,9 +58,36 @@ def _kiln_block(hf: torch.nn.Module, args: argparse.Namespace, product) -> torch
     return block
 
 
-def _packed_block(hf: torch.nn.Module, args, device: torch.device, dtype: torch.dtype):
-    """kiln's block with HF's experts quantized to Q4_0 and kept packed, and the per-expert
-    block on those weights dequantized (its reference)."""
+# a packed block's types: (gate and up, down); "-int4": read as int4 planes
+PACKED_TYPES = {"Q4_0": ("Q4_0", "Q4_0"), "Q4_K": ("Q4_K", "Q4_K"), "Q5_K": ("Q5_K", "Q5_K"),
+                "Q6_K": ("Q6_K", "Q6_K"), "Q4_K_M": ("Q4_K", "Q6_K"),
+                "Q4_K-int4": ("Q4_K-int4", "Q4_K-int4")}  # fmt: skip
+
+
+def _blocks_of(kind: str, w: torch.Tensor):
+    """(GGUF blocks, their type's name) of `w`: Q4_0 quantized from it, the K-quants random
+    blocks of its shape (make_random_gguf's, std near 0.02)."""
+    import gguf
+
+    base = kind.removesuffix("-int4")
+    if base == "Q4_0":
+        return gguf.quants.quantize(w.float().cpu().numpy(), gguf.GGMLQuantizationType.Q4_0), base
+    rng = np.random.default_rng(w.shape[0] * 7919 + w.shape[1])
+    return _sibling("make_random_gguf").MAKERS[base](rng, *w.shape), base
+
+
+def _sibling(name: str) -> ModuleType:
+    """Another script of benchmarks/ (not a package), wherever this one is run from."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{name}_bench", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _packed_block(hf: torch.nn.Module, args, device, dtype, kind: str):
+    """kiln's block with experts of GGUF type `kind` (PACKED_TYPES) kept packed, and the
+    per-expert block on those weights dequantized (its reference)."""
     import gguf
 
     from kiln.loader.gguf_quant import gguf_codes
@@ -61,16 +96,19 @@ def _packed_block(hf: torch.nn.Module, args, device: torch.device, dtype: torch.
     block = build_on(device, dtype, lambda: moe.SparseMoE(
         args.hidden, args.experts, args.top_k, args.intermediate, True, 0))  # fmt: skip
     dense = _kiln_block(hf, args, moe.experts_by_loop).to(device, dtype)
-    inter, q4_0 = args.intermediate, gguf.GGMLQuantizationType.Q4_0
+    inter, (gate_up_kind, down_kind) = args.intermediate, PACKED_TYPES[kind]
     with torch.no_grad():
         block.gate.weight.copy_(hf.gate.weight)
         for e in range(args.experts):
             gate_up, down = dense.experts.gate_up_proj[e], dense.experts.down_proj[e]
-            for proj, w in (("gate_proj", gate_up[:inter]), ("up_proj", gate_up[inter:]),
-                            ("down_proj", down)):  # fmt: skip
-                data = gguf.quants.quantize(w.float().cpu().numpy(), q4_0)
-                block.experts.load_quantized(e, proj, gguf_codes("Q4_0", data, tuple(w.shape)))
-                w.copy_(torch.from_numpy(gguf.quants.dequantize(data, q4_0)))
+            for proj, w, of in (("gate_proj", gate_up[:inter], gate_up_kind),
+                                ("up_proj", gate_up[inter:], gate_up_kind),
+                                ("down_proj", down, down_kind)):  # fmt: skip
+                data, base = _blocks_of(of, w)
+                codes = gguf_codes(base, data, tuple(w.shape), exact_q4_k=of == "Q4_K")
+                block.experts.load_quantized(e, proj, codes)
+                t = gguf.GGMLQuantizationType[base]
+                w.copy_(torch.from_numpy(gguf.quants.dequantize(data, t)))
     block.experts.finalize(device)
     if set(block.experts.packed) != {"gate_up_proj", "down_proj"}:
         raise SystemExit(f"the experts were not kept packed: {block.experts.fallback_reasons}")
@@ -97,8 +135,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--int4", action="store_true", help="experts kept packed (Q4_0) too")
+    p.add_argument("--packed", nargs="+", default=[], choices=list(PACKED_TYPES),
+                   help="blocks whose experts are kept packed in these GGUF types")  # fmt: skip
+    p.add_argument("--int4", action="store_true", help="the same as --packed Q4_0")
     args = p.parse_args(argv)
+    args.packed += ["Q4_0"] if args.int4 and "Q4_0" not in args.packed else []
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     torch.manual_seed(0)
     hf = _hf_block(args).to(device, dtype).eval()
@@ -109,17 +150,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     }
     if device.type == "cuda":  # kiln's Triton kernel: what CUDA graphs use where _grouped_mm can't
         blocks["kiln (triton)"] = _kiln_block(hf, args, moe.experts_by_triton).to(device, dtype)
-    packed_reference = None
-    if args.int4:
-        blocks["kiln (int4 Q4_0)"], packed_reference = _packed_block(hf, args, device, dtype)
+    packed_references = {}
+    for kind in args.packed:
+        name = f"kiln (packed {kind})"
+        blocks[name], packed_references[name] = _packed_block(hf, args, device, dtype, kind)
     rows = []
     with torch.inference_mode():
         for n in args.tokens:
             x = torch.randn(n, args.hidden, device=device, dtype=dtype)
             ref = hf(x[None])[0]
             for name, block in blocks.items():
-                if name == "kiln (int4 Q4_0)":  # against the same weights dequantized
-                    want = packed_reference(x)  # bf16 scales: a few bf16 ulps
+                if name in packed_references:  # against the same weights dequantized
+                    want = packed_references[name](x)  # bf16 scales or rows: a few bf16 ulps
                     atol = 16 * 2**-8 * want.abs().max().item()
                     torch.testing.assert_close(block(x), want, rtol=0, atol=atol)
                 elif name != "hf":

@@ -9,9 +9,14 @@ alternating.
 `--dequantize-mixed`: the second engine packs every type but dequantizes fused layers whose
 parts mix formats (a Q4_K_M file's qkv with a Q6_K v), as kiln did before PackedParts.
 `--q4-k-int4`: the second engine keeps Q4_K as int4 planes on the int4 kernel, as kiln did
-before Q4_K ran on the K-quant kernel.
+before Q4_K ran on the K-quant kernel. `--experts-int4-only`: the second engine keeps a
+mixture-of-experts file's experts as kiln did before they ran on the Q6_K and K-quant kernels:
+Q4_K experts as int4 planes, Q6_K and Q5_K experts dequantized.
 
     python benchmarks/packed_types_ab.py --model /tmp/km.gguf --q4-k-int4 --rounds 6 --mode 3
+    python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_K_M \
+        --out /tmp/moe-km.gguf
+    python benchmarks/packed_types_ab.py --model /tmp/moe-km.gguf --experts-int4-only
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from unittest import mock
 from int4_table_ab import alternating_rounds, decode_seconds, report_rate  # beside this script
 
 from kiln import LLM
-from kiln.layers import linear, packed_parts
+from kiln.layers import linear, packed_experts, packed_parts
 from kiln.layers.packed import as_int4_plane
 from kiln.loader import gguf as gguf_loader
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
@@ -30,17 +35,32 @@ from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
 
 def boot(
     model: str, dtype: str, mode: int, dequantize: list[str], mixed: bool = True,
-    q4_k_int4: bool = False,
+    q4_k_int4: bool = False, experts_int4_only: bool = False,
 ) -> LLM:  # fmt: skip
     """An engine whose loader packs every type but `dequantize` (without `mixed`, no fused
-    layer of mixed formats; with `q4_k_int4`, Q4_K as int4 planes)."""
+    layer of mixed formats; with `q4_k_int4`, Q4_K as int4 planes; with `experts_int4_only`,
+    experts as int4 planes or dense)."""
     packed = tuple(t for t in PACKED_GGUF_TYPES if t not in dequantize)
     pack = packed_parts.pack_parts if mixed else _one_format_only
-    form = (lambda t, device: as_int4_plane(t)) if q4_k_int4 else packed_parts.for_device
+    as_int4 = lambda t, device: as_int4_plane(t)  # noqa: E731
+    form = as_int4 if q4_k_int4 else packed_parts.for_device
+    expert_form = as_int4 if q4_k_int4 or experts_int4_only else packed_experts.for_device
+    reason = _int4_experts_only if experts_int4_only else packed_experts.unpackable_reason
     with mock.patch.object(gguf_loader, "PACKED_GGUF_TYPES", packed), \
             mock.patch.object(linear, "pack_parts", pack), \
-            mock.patch.object(packed_parts, "for_device", form):  # fmt: skip
+            mock.patch.object(packed_parts, "for_device", form), \
+            mock.patch.object(packed_experts, "for_device", expert_form), \
+            mock.patch.object(packed_experts, "unpackable_reason", reason):  # fmt: skip
         return LLM(model, dtype=dtype, compilation_config={"mode": mode})
+
+
+def _int4_experts_only(t, device):
+    if packed_experts.form_of(t) in packed_experts.KERNEL_LAYOUTS:
+        return f"{t.kind} experts dequantized (--experts-int4-only)"
+    return _EXPERTS_REASON(t, device)
+
+
+_EXPERTS_REASON = packed_experts.unpackable_reason  # before boot() patches it
 
 
 def _one_format_only(parts, out_features, device):
@@ -55,15 +75,17 @@ def main() -> None:
     parser.add_argument("--dequantize", nargs="+", default=[], choices=PACKED_GGUF_TYPES)
     parser.add_argument("--dequantize-mixed", action="store_true")
     parser.add_argument("--q4-k-int4", action="store_true")
+    parser.add_argument("--experts-int4-only", action="store_true")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--mode", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
     args = parser.parse_args()
-    if not (args.dequantize or args.dequantize_mixed or args.q4_k_int4):
-        parser.error("name types to --dequantize, or --dequantize-mixed, or --q4-k-int4")
+    if not (args.dequantize or args.dequantize_mixed or args.q4_k_int4 or args.experts_int4_only):
+        parser.error("name types to --dequantize, or --dequantize-mixed, --q4-k-int4 or "
+                     "--experts-int4-only")  # fmt: skip
     other = boot(args.model, args.dtype, args.mode, args.dequantize, not args.dequantize_mixed,
-                 args.q4_k_int4)  # fmt: skip
+                 args.q4_k_int4, args.experts_int4_only)  # fmt: skip
     engines = {"packed": boot(args.model, args.dtype, args.mode, []), "dequantized": other}
     for name, llm in engines.items():
         weights = sum(b for _, _, b in llm.engine.runner.model.weight_summary) / 2**20
@@ -74,6 +96,7 @@ def main() -> None:
     rate = {k: args.tokens / v for k, v in median.items()}
     what = "+".join(args.dequantize + (["mixed layers"] if args.dequantize_mixed else []))
     other_name = "Q4_K as int4 planes" if args.q4_k_int4 else f"{what} dequantized"
+    other_name = "experts int4 or dense" if args.experts_int4_only else other_name
     print(f"median tok/s: packed {rate['packed']:.2f}, {other_name} {rate['dequantized']:.2f}, "
           f"packed / other {rate['packed'] / rate['dequantized']:.3f}x")  # fmt: skip
 

@@ -275,6 +275,44 @@ def k_quant_mix_gguf(tmp_path_factory) -> str:
     return str(path)
 
 
+# a Q4_K_M/Q5_K_M-like Qwen3-MoE with 256 hidden units and 256 per expert: layer 0's experts
+# Q4_K gate/up beside Q6_K down (Q4_K_M's more-bits layers), layer 1's Q5_K gate/up beside a
+# Q4_K down; the routers float32 (as llama.cpp writes them), the rest Q4_K or Q6_K
+K_QUANT_MOE = {"layers.0.mlp.stacked_down": "Q6_K", "layers.1.mlp.stacked_down": "Q4_K",
+               "layers.1.mlp.stacked_": "Q5_K", "stacked_": "Q4_K", "mlp.gate.": "F32",
+               "self_attn": "Q4_K", "": "Q6_K"}  # fmt: skip
+
+
+def k_quant_moe_kind(name: str):
+    import gguf
+
+    return gguf.GGMLQuantizationType[next(k for part, k in K_QUANT_MOE.items() if part in name)]
+
+
+def k_quant_moe_model():
+    """A random 2-layer Qwen3-MoE (both layers sparse, top 2 of 4 experts) with 256 hidden units
+    and 256 per expert (seeded): wide enough for the K-quants, the tiny models' vocabulary."""
+    import transformers
+
+    torch.manual_seed(2)
+    cfg = transformers.Qwen3MoeConfig(vocab_size=49152, bos_token_id=1, eos_token_id=2, **{
+        **TINY, "hidden_size": 256, "head_dim": 64, "tie_word_embeddings": False,
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 256,
+    })  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def k_quant_moe_gguf(tmp_path_factory) -> str:
+    """`k_quant_moe_model` as a qwen3moe GGUF of K_QUANT_MOE's types (tokenizer:
+    tiny_models["qwen3_moe"])."""
+    from tests.gguf_files import write_gguf
+
+    path = tmp_path_factory.mktemp("packed") / "k-quant-moe.gguf"
+    write_gguf(path, k_quant_moe_model(), k_quant_moe_kind, arch="qwen3moe")
+    return str(path)
+
+
 def packed_moe_kind(name: str):
     """The packed tiny Qwen3-MoE's tensor types: experts' gate and up Q4_1, their down Q8_0
     (two planes), attention Q4_0, the rest (router, dense MLP, embedding, head) Q8_0."""

@@ -223,13 +223,16 @@ def _fused(tensors):
 
 
 def quantize(data: np.ndarray, kind: gguf.GGMLQuantizationType) -> np.ndarray:
-    """float32 [N, K] as GGUF blocks of `kind`: the gguf package's quantizer, and for Q6_K, Q5_K
-    and Q4_K (which it lacks) `quantize_q6_k` and `quantize_q5_k`."""
+    """float32 [..., N, K] as GGUF blocks of `kind` (by rows): the gguf package's quantizer, and
+    for Q6_K, Q5_K and Q4_K (which it lacks) `quantize_q6_k` and `quantize_q5_k`."""
+    if kind not in (T.Q6_K, T.Q5_K, T.Q4_K):
+        return gguf.quants.quantize(data, kind)
+    rows = data.reshape(-1, data.shape[-1])
     if kind == T.Q6_K:
-        return quantize_q6_k(data)
-    if kind in (T.Q5_K, T.Q4_K):
-        return quantize_q5_k(data, 5 if kind == T.Q5_K else 4)
-    return gguf.quants.quantize(data, kind)
+        blocks = quantize_q6_k(rows)
+    else:
+        blocks = quantize_q5_k(rows, 5 if kind == T.Q5_K else 4)
+    return blocks.reshape(*data.shape[:-1], -1)
 
 
 def _steps(v: np.ndarray, step: np.ndarray, top: int) -> np.ndarray:

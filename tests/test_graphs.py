@@ -22,6 +22,7 @@ from kiln.cudagraphs.full import FullGraphs
 from kiln.cudagraphs.graph_backend import EmulatedGraphBackend, GraphBackend, unowned
 from kiln.cudagraphs.piecewise import PiecewiseGraphs, RuntimeState
 from kiln.errors import ConfigError
+from kiln.layers.packed_experts import KQUANT_FORM, Q6K_FORM
 from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from tests.helpers import make_engine, run_schedule
 
@@ -131,30 +132,33 @@ PACKED_GGUFS = {
     "llama": "packed_gguf",
     "qwen3_moe": "packed_moe_gguf",
     "k_quants": "k_quant_mix_gguf",
+    "k_quant_moe": "k_quant_moe_gguf",
 }
 
 
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "k_quants"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "k_quants", "k_quant_moe"])
 @pytest.mark.parametrize(("graph_mode", "mode", "backend", "ran"), [MODES[1], MODES[3]])
 def test_graph_modes_of_a_packed_model_equal_eager(
     request, tiny_models, model, graph_mode, mode, backend, ran
 ):
     """Packed weights (the int4 kernel as an aten op in the graph; the two paths by the row
-    count at run time; the packed experts' op; Q6_K's and Q5_K's own ops beside int4 ones, where
-    this CPU runs them) inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
-    k_quants = model == "k_quants"
+    count at run time; the packed experts' op, over int4 planes and over the Q6_K and K-quant
+    kernels' buffers; Q6_K's and Q5_K's own ops beside int4 ones, where this CPU runs them)
+    inside FULL graphs and inside compiled pieces of PIECEWISE ones."""
+    k_quants = model.startswith("k_quant")
     if k_quants and q6k_matmul_kernel() is None:
         pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
     path = request.getfixturevalue(PACKED_GGUFS[model])
-    tokenizer = tiny_models["llama" if k_quants else model]
+    tokenizer = tiny_models["qwen3_moe" if "moe" in model else "llama"]
     kv = PREEMPTING * (4 if k_quants else 1)  # its KV is 4x the tiny models' a token
     engine = _engine(path, graph_mode, mode, backend, kv=kv, tokenizer=tokenizer)
     mlp = engine.runner.model.layers[0].mlp
-    if model != "qwen3_moe":
+    if "moe" not in model:
         assert mlp.down_proj.layout == ("q6_k" if k_quants else "int4")
         assert mlp.gate_up_proj.layout == ("q5_k" if k_quants else "int4")
     else:
-        assert set(mlp.experts.packed) == {"gate_up_proj", "down_proj"}
+        forms = [mlp.experts.packed[s].form for s in ("gate_up_proj", "down_proj")]
+        assert forms == ([KQUANT_FORM, Q6K_FORM] if k_quants else [32, 32])
     finals, logits = run_schedule(engine, _workload(), record_logits=True)
     _assert_equals_within_bf16(finals, logits, _reference(path, backend, tokenizer, kv))
     st = engine.stats()

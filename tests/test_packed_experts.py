@@ -13,17 +13,21 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from kiln.layers.int4_kernel import int4_matmul_kernel
+from kiln.layers.kquant_kernel import kquant_matmul_kernel
 from kiln.layers.moe import FusedExperts
 from kiln.layers.packed import Int4Codes, QuantizedTensor
 from kiln.layers.packed_experts import (
+    KQUANT_FORM,
+    Q6K_FORM,
     PackedExperts,
     nibble_dequantize,
     nibble_plane,
     unpackable_reason,
 )
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from kiln.loader.gguf_quant import gguf_codes
-from tests.conftest import packed_moe_kind
-from tests.gguf_files import quantize_q5_k
+from tests.conftest import k_quant_moe_kind, packed_moe_kind
+from tests.gguf_files import quantize, quantize_q5_k, quantize_q6_k
 
 T = gguf.GGMLQuantizationType
 CPU = torch.device("cpu")
@@ -41,15 +45,31 @@ def _q4_k(n: int, k: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def _quantized(kind: str, n: int, k: int, rng: np.random.Generator):
-    """(the gguf package's dequantized float32 [n, k], kiln's planes) of one random matrix."""
-    if kind == "Q4_K":
+    """(the gguf package's dequantized float32 [n, k], kiln's codes as the loader reads them)
+    of one random matrix; "Q4_K-int4": Q4_K read as an int4 plane (as GPTQ's planes are)."""
+    base = kind.removesuffix("-int4")
+    if base == "Q4_K":
         data = _q4_k(n, k, rng)
-    elif kind == "Q5_K":  # the gguf package has no Q5_K quantizer
+    elif base == "Q5_K":  # the gguf package has no Q5_K quantizer
         data = quantize_q5_k(rng.standard_normal((n, k)).astype(np.float32) * 0.1)
+    elif base == "Q6_K":
+        data = quantize_q6_k(rng.standard_normal((n, k)).astype(np.float32) * 0.1)
     else:
-        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, T[kind])
-    ref = torch.from_numpy(gguf.quants.dequantize(data, T[kind]).copy())
-    return ref, gguf_codes(kind, data, (n, k))
+        data = gguf.quants.quantize(rng.standard_normal((n, k)).astype(np.float32) * 0.1, T[base])
+    ref = torch.from_numpy(gguf.quants.dequantize(data, T[base]).copy())
+    return ref, gguf_codes(base, data, (n, k), exact_q4_k=kind == "Q4_K")
+
+
+def _kernel_form(kind: str) -> int | None:
+    """The form kind's experts take where kiln's Q6_K or K-quant kernel runs them, else None
+    (int4 planes)."""
+    if kind == "Q6_K":
+        return Q6K_FORM
+    return KQUANT_FORM if kind in ("Q4_K", "Q5_K") else None
+
+
+def _kernel_runs(form: int) -> bool:
+    return (q6k_matmul_kernel() if form == Q6K_FORM else kquant_matmul_kernel()) is not None
 
 
 def _experts(kinds: list, seed: int = 0, device: torch.device = CPU):
@@ -92,20 +112,28 @@ def _routing(tokens: int, seed: int = 1):
     return x, ids, torch.rand(tokens, 2, generator=g)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K-int4", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: the dense path for expert 0
 def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
+    """int4 planes, and Q6_K, Q5_K and Q4_K on kiln's own kernels (exact codes, the rows as two
+    int8 planes) where this CPU runs them: Q4_K as int4 planes where it does not, Q6_K and Q5_K
+    dequantized, saying why."""
     experts, gate_up, down = _experts([kind] * E)
-    assert set(experts.packed) == {"gate_up_proj", "down_proj"}
-    assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks kept
-    assert isinstance(experts.packed["down_proj"], PackedExperts)
-    assert experts.packed["down_proj"].num_planes == (2 if kind == "Q8_0" else 1)
-    # the zeros of Q4_0 and of Q8_0's high plane are all 0: those tables keep the scales alone
-    # (where kiln's kernel runs them)
-    widths = [sz.shape[-1] for sz in experts.packed["down_proj"].planes()[1]]
-    expected = {"Q4_0": [1], "Q4_K": [2], "Q8_0": [1, 2]}[kind]
-    assert widths == (expected if int4_matmul_kernel() is not None else [2] * len(expected))
+    form = _kernel_form(kind)
+    if form is not None and not _kernel_runs(form):
+        if kind == "Q4_K":
+            assert experts.packed["down_proj"].form == 32
+        else:
+            assert not experts.packed and "AVX512-VNNI" in experts.fallback_reasons["down_proj"]
+    elif form is not None:
+        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [form] * 2
+        bits = kind[1]
+        assert experts.packed["down_proj"].describe() == f"{bits}-bit packed (Q{bits}_K's layout)"
+    else:
+        _assert_int4_stacks(experts, kind)
+    if experts.packed:
+        assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks
     x, ids, weights = _routing(tokens)
     y = experts(x.to(dtype), ids, weights.to(dtype))
     assert y.shape == x.shape and y.dtype == dtype
@@ -114,6 +142,17 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     # bf16 ulps of the output's magnitude; a wrong code order or expert is off by the magnitude
     tol = (8 if dtype == torch.float32 else 16) * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+def _assert_int4_stacks(experts, kind: str) -> None:
+    assert set(experts.packed) == {"gate_up_proj", "down_proj"}
+    assert isinstance(experts.packed["down_proj"], PackedExperts)
+    assert experts.packed["down_proj"].num_planes == (2 if kind == "Q8_0" else 1)
+    # the zeros of Q4_0 and of Q8_0's high plane are all 0: those tables keep the scales alone
+    # (where kiln's kernel runs them)
+    widths = [sz.shape[-1] for sz in experts.packed["down_proj"].planes()[1]]
+    expected = {"Q4_0": [1], "Q4_K-int4": [2], "Q8_0": [1, 2]}[kind]
+    assert widths == (expected if int4_matmul_kernel() is not None else [2] * len(expected))
 
 
 @pytest.mark.parametrize("with_zeros", [[False, True, True], [True, False, False]])
@@ -180,9 +219,9 @@ def test_gate_and_up_of_different_formats_make_their_stack_dense():
 
 
 def test_a_q5_k_gate_beside_a_q4_k_up_makes_the_stack_dense():
-    """A Q5_K part (the K-quant kernel's form, which experts have no kernel for) beside a Q4_K
-    one (int4 planes), both groups of 32: not one form, so the gate/up stack is dequantized
-    exactly and says why; the Q4_K down stack stays packed."""
+    """A Q5_K part beside a Q4_K one (5 and 4 bits on the K-quant kernel, or Q5_K's codes beside
+    an int4 plane): not one form, so the gate/up stack is dequantized exactly and says why; the
+    Q4_K down stack stays packed."""
     experts, gate_up, down = _experts([("Q5_K", "Q4_K", "Q4_K")] * E)
     assert set(experts.packed) == {"down_proj"}
     assert "parts are in different" in experts.fallback_reasons["gate_up_proj"]
@@ -191,6 +230,44 @@ def test_a_q5_k_gate_beside_a_q4_k_up_makes_the_stack_dense():
     ref = _per_token(x, gate_up, down, ids, weights)
     tol = 8 * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+def test_each_stack_takes_its_own_kernel():
+    """A Q4_K_M file's layer: Q4_K gate/up on the K-quant kernel beside Q6_K down experts on
+    the Q6_K kernel; a Q5_K_M one's Q5_K gate/up beside an int4 (Q4_0) down stack. Each stack
+    keeps its form, and the product matches the per-token reference."""
+    for kinds, forms in (("Q4_K", "Q4_K", "Q6_K"), (KQUANT_FORM, Q6K_FORM)), (
+        ("Q5_K", "Q5_K", "Q4_0"), (KQUANT_FORM, 32)):  # fmt: skip
+        if not _kernel_runs(Q6K_FORM) or not _kernel_runs(KQUANT_FORM):
+            pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
+        experts, gate_up, down = _experts([kinds] * E)
+        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == list(forms)
+        x, ids, weights = _routing(7)
+        ref = _per_token(x, gate_up, down, ids, weights)
+        tol = 8 * BF16_ULP * ref.abs().max().item()
+        torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+def test_a_q4_k_gate_beside_a_q4_0_up_share_int4_planes():
+    """Q4_K read for the K-quant kernel beside a Q4_0 part: both become int4 planes of group
+    32, one packed stack, rather than a dense one."""
+    experts, gate_up, down = _experts([("Q4_K", "Q4_0", "Q4_K")] * E)
+    assert experts.packed["gate_up_proj"].form == 32
+    assert experts.packed["gate_up_proj"].kind == "Q4_0+Q4_K"
+    x, ids, weights = _routing(7)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K"])
+def test_kernel_experts_packed_before_a_dense_one_come_back_exact(kind):
+    """Expert 0 packed on its kernel, then a dense expert: the stacks become dense and expert
+    0 comes back exactly as the gguf package dequantizes it (its codes and scales are exact)."""
+    experts, gate_up, down = _experts([kind, None, kind])
+    assert not experts.packed
+    assert experts.fallback_reasons["down_proj"] == "not every expert arrived quantized"
+    assert torch.equal(experts.down_proj, down) and torch.equal(experts.gate_up_proj, gate_up)
 
 
 def _assert_equal_but_packed_scales(experts, gate_up, down, packed_first: list[int]) -> None:
@@ -212,7 +289,7 @@ def test_packed_experts_run_on_the_cpu_and_cuda():
     assert "the CPU and CUDA" in unpackable_reason(planes, torch.device("mps"))
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K-int4", "Q8_0"])
 def test_the_cuda_layout_holds_the_planes(kind):
     """Two codes a byte and bf16 scales per group (the Triton grouped kernel's layout) give
     back the planes' weight, within the scales' bf16 rounding (exact for Q4_0's codes)."""
@@ -224,25 +301,51 @@ def test_the_cuda_layout_holds_the_planes(kind):
     assert torch.equal(pairs & 15, codes[:, 0::2]) and torch.equal(pairs >> 4, codes[:, 1::2])
 
 
-def _dequantized_hf(path: str):
-    """HF's Qwen3-MoE with every matrix replaced by its GGUF type's dequantized values (the
-    experts per expert, as the file stores them)."""
-    hf = AutoModelForCausalLM.from_pretrained(path).eval()
+def _dequantized_hf(hf, kind_of):
+    """HF's Qwen3-MoE with every matrix replaced by its GGUF type's (`kind_of(name)`, named as
+    tests.gguf_files.write_gguf names them) dequantized values, the experts per expert, as
+    the file stores them."""
 
-    def round_trip(w: np.ndarray, kind) -> torch.Tensor:
-        return torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(w, kind), kind))
+    def round_trip(w: np.ndarray, name: str) -> torch.Tensor:
+        kind = kind_of(name)
+        if kind == T.F32:
+            return torch.from_numpy(w)
+        stacked = w.reshape(-1, w.shape[-1])  # quantized by rows, per expert alike
+        back = gguf.quants.dequantize(quantize(stacked, kind), kind).reshape(w.shape)
+        return torch.from_numpy(back)
 
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("experts.gate_up_proj"):
                 gate, up = np.split(p.numpy(), 2, axis=1)
-                p.copy_(torch.cat([round_trip(gate, packed_moe_kind("stacked_gate")),
-                                   round_trip(up, packed_moe_kind("stacked_up"))], 1))  # fmt: skip
+                stem = name.removesuffix("experts.gate_up_proj")
+                p.copy_(torch.cat([round_trip(gate.copy(), stem + "stacked_gate"),
+                                   round_trip(up.copy(), stem + "stacked_up")], 1))  # fmt: skip
             elif name.endswith("experts.down_proj"):
-                p.copy_(round_trip(p.numpy(), packed_moe_kind("stacked_down")))
+                stem = name.removesuffix("experts.down_proj")
+                p.copy_(round_trip(p.numpy(), stem + "stacked_down"))
             elif p.ndim == 2:
-                p.copy_(round_trip(p.numpy(), packed_moe_kind(name)))
+                p.copy_(round_trip(p.numpy(), name))
     return hf
+
+
+def _engine_matches_hf(path: str, tokenizer: str, hf, tol_ulps: int = 8):
+    """kiln's engine on `path` against `hf` (the same values, dequantized): 4 greedy tokens'
+    logits within `tol_ulps` bf16 ulps of the largest, and the same tokens."""
+    from kiln import SamplingParams
+    from tests.helpers import make_engine, run_schedule
+
+    engine = make_engine(path, tokenizer=tokenizer)
+    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
+    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+    bound = tol_ulps * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(ours, ref, rtol=0, atol=bound)
+    assert tokens == ref.argmax(-1).tolist()
+    return engine
 
 
 def test_a_packed_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, packed_moe_gguf):
@@ -250,24 +353,33 @@ def test_a_packed_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, pa
     dense MLP, embedding and head Q8_0): kiln keeps every matrix packed and matches HF on the
     same values dequantized, to a few bf16 ulps of the logits (1.5 measured, 8 allowed, as for
     test_packed.py's Llama)."""
-    from kiln import SamplingParams
-    from tests.helpers import make_engine, run_schedule
-
-    engine = make_engine(packed_moe_gguf, tokenizer=tiny_models["qwen3_moe"])
+    hf = AutoModelForCausalLM.from_pretrained(tiny_models["qwen3_moe"]).eval()
+    hf = _dequantized_hf(hf, packed_moe_kind)
+    engine = _engine_matches_hf(packed_moe_gguf, tiny_models["qwen3_moe"], hf)
     model = engine.runner.model
     assert set(model.layers[0].mlp.experts.packed) == {"gate_up_proj", "down_proj"}
     formats = [fmt for fmt, _, _ in model.weight_summary]
     assert "experts: Q4_1 -> int4 packed, group 32" in formats
     assert "experts: Q8_0 -> int4 packed, group 32 (two planes)" in formats
-    prompt = [5, 17, 300, 4000, 12, 9, 77, 1024]
-    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    out, logits = run_schedule(engine, [(0, prompt, params)], record_logits=True)
-    ours, tokens = torch.stack(logits["0"]).float(), out["0"].outputs[0].token_ids
-    hf = _dequantized_hf(tiny_models["qwen3_moe"])
-    with torch.no_grad():
-        ref = hf(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
-    torch.testing.assert_close(ours, ref, rtol=0, atol=8 * BF16_ULP * ref.abs().max().item())
-    assert tokens == ref.argmax(-1).tolist()
+
+
+def test_a_k_quant_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, k_quant_moe_gguf):
+    """A Q4_K_M/Q5_K_M-like Qwen3-MoE (tests.conftest.K_QUANT_MOE: Q4_K gate/up beside Q6_K
+    down experts, Q5_K gate/up beside Q4_K down): every expert stack packed on this CPU's
+    kernels, and the logits as HF's on the same values dequantized (the codes are exact; the
+    rows go in as two int8 planes and the products round to bf16)."""
+    if not _kernel_runs(Q6K_FORM) or not _kernel_runs(KQUANT_FORM):
+        pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
+    from tests.conftest import k_quant_moe_model
+
+    hf = _dequantized_hf(k_quant_moe_model(), k_quant_moe_kind)
+    engine = _engine_matches_hf(k_quant_moe_gguf, tiny_models["qwen3_moe"], hf)
+    layers = engine.runner.model.layers
+    forms = [[m.experts.packed[s].form for s in ("gate_up_proj", "down_proj")] for m in
+             (layer.mlp for layer in layers)]  # fmt: skip
+    assert forms == [[KQUANT_FORM, Q6K_FORM], [KQUANT_FORM, KQUANT_FORM]]
+    formats = {fmt for fmt, _, _ in engine.runner.model.weight_summary}
+    assert {f"experts: Q{b}_K -> {b}-bit packed (Q{b}_K's layout)" for b in (4, 5, 6)} <= formats
 
 
 def test_the_benchmarks_random_moe_file_loads_packed(tmp_path, monkeypatch):
@@ -311,13 +423,17 @@ def test_packed_experts_take_the_rows_as_int8_planes():
     torch.testing.assert_close(planes, floats, rtol=0, atol=tol)
 
 
-def test_the_moe_benchmark_checks_its_packed_block():
-    """benchmarks/moe_block.py --int4's smoke run: the packed block (Q4_0 experts) is checked
-    against the same weights dequantized before it is timed, with the others against HF."""
+def test_the_moe_benchmark_checks_its_packed_blocks():
+    """benchmarks/moe_block.py's smoke run: each packed block (Q4_0 experts; Q4_K gate/up
+    beside Q6_K down where this CPU runs their kernels) is checked against the same weights
+    dequantized before it is timed, with the others against HF."""
     from tests.helpers import load_benchmark
 
-    args = ["--hidden", "256", "--intermediate", "128", "--experts", "4", "--top-k", "2",
-            "--tokens", "1", "5", "--rounds", "1", "--int4", "--device", "cpu"]  # fmt: skip
+    kernels = _kernel_runs(Q6K_FORM) and _kernel_runs(KQUANT_FORM)
+    packed = ["Q4_0", "Q4_K_M"] if kernels else ["Q4_0"]
+    args = ["--hidden", "256", "--intermediate", "256", "--experts", "4", "--top-k", "2",
+            "--tokens", "1", "5", "--rounds", "1", "--device", "cpu"]  # fmt: skip
+    args += ["--packed", *packed]
     rows = load_benchmark("moe_block").main(args)
     assert [r["tokens"] for r in rows] == [1, 5]
-    assert all(r["kiln (int4 Q4_0)"] > 0 for r in rows)
+    assert all(r[f"kiln (packed {kind})"] > 0 for r in rows for kind in packed)

@@ -35,7 +35,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
     from kiln.layers.gated_deltanet import _gdn_core
     from kiln.layers.moe import _moe_experts
     from kiln.layers.packed import _int4_or_dense_mm, int4_matmul
-    from kiln.layers.packed_experts import _moe_experts_int4
+    from kiln.layers.packed_experts import _moe_experts_packed
     from kiln.layers.packed_kquant import kquant_matmul
     from kiln.layers.packed_q6k import q6k_matmul
 
@@ -49,7 +49,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
         kiln.moe_experts.default: _moe_experts,
         kiln.int4_mm.default: int4_matmul,
         kiln.int4_or_dense_mm.default: _int4_or_dense_mm,
-        kiln.moe_experts_int4.default: _moe_experts_int4,
+        kiln.moe_experts_packed.default: _moe_experts_packed,
         kiln.q6k_mm.default: q6k_matmul,
         kiln.kquant_mm.default: kquant_matmul,
     }

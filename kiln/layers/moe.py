@@ -8,8 +8,8 @@ The routed rows are sorted by expert, so a step runs one matmul per active exper
 per token. That product is one custom op, `kiln::moe_experts`, which Dynamo does not trace
 into: its grouping is data-dependent, and the graph around it stays one compiled piece.
 Quantized experts stay packed per stack (kiln/layers/packed_experts.py) and run through
-`kiln::moe_experts_int4`: on the CPU the same loop over the packed planes, on CUDA one grouped
-Triton launch per projection."""
+`kiln::moe_experts_packed`: on the CPU the same loop over the packed matrices, on CUDA one
+grouped Triton launch per projection."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import SwiGLU
 from kiln.layers.packed import QuantizedTensor
-from kiln.layers.packed_experts import ExpertPacker
+from kiln.layers.packed_experts import DENSE_FORM, ExpertPacker
 
 
 def experts_by_loop(x, gate_up, down, ids, weights) -> torch.Tensor:
@@ -157,19 +157,20 @@ class FusedExperts(nn.Module):
             self._fall_back(stack, "not every expert arrived quantized")
 
     def _operand(self, stack: str) -> tuple[list[torch.Tensor], list[torch.Tensor], int]:
+        """(tensors, scale tables, form) of one stack, as `kiln::moe_experts_packed` takes it."""
         if stack in self.packed:
             packed, scales_zeros = self.packed[stack].planes()
-            return packed, scales_zeros, self.packed[stack].group_size
-        return [getattr(self, stack)], [], 0
+            return packed, scales_zeros, self.packed[stack].form
+        return [getattr(self, stack)], [], DENSE_FORM
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if not self.packed:
             return torch.ops.kiln.moe_experts(x, self.gate_up_proj, self.down_proj, ids, weights)
-        gate_up, gate_up_sz, gate_up_group = self._operand("gate_up_proj")
-        down, down_sz, down_group = self._operand("down_proj")
+        gate_up, gate_up_sz, gate_up_form = self._operand("gate_up_proj")
+        down, down_sz, down_form = self._operand("down_proj")
         int8_planes = max(m.int8_planes for m in self.packed.values())  # one policy for all
-        return torch.ops.kiln.moe_experts_int4(
-            x, gate_up, gate_up_sz, down, down_sz, [gate_up_group, down_group],
+        return torch.ops.kiln.moe_experts_packed(
+            x, gate_up, gate_up_sz, down, down_sz, [gate_up_form, down_form],
             self.intermediate, ids, weights, int8_planes,
         )  # fmt: skip
 

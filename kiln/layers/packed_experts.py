@@ -1,7 +1,9 @@
-"""Experts kept 4-bit packed: each projection (gate_up, down) of a mixture-of-experts layer as
-one stack of packed planes over the expert dimension, the layout of kiln/layers/packed.py per
-expert. Qwen3-30B-A3B's experts in Q4_K keep about 18 GB of planes (codes and bf16 scales)
-where, dequantized, they would take 58 GB in bf16.
+"""Experts kept packed: each projection (gate_up, down) of a mixture-of-experts layer as one
+stack over the expert dimension of a packed matrix's tensors per expert: the 4-bit planes of
+kiln/layers/packed.py, or on the CPU the buffers of kiln's Q6_K and K-quant kernels
+(kiln/layers/packed_q6k.py, kiln/layers/packed_kquant.py). Qwen3-30B-A3B's experts in Q4_K keep
+about 18 GB (codes and scales) where, dequantized, they would take 58 GB in bf16; a Q4_K_M
+file's Q6_K down experts (about half its layers) keep 6.56 bits a weight, not bf16's 16.
 
 Checkpoints store experts one at a time (GGUF's stacked tensors are read one expert at a time
 too), so `ExpertPacker` packs each expert as soon as its parts (gate and up, or down) have
@@ -10,9 +12,11 @@ stack, so the load holds one layer's gate codes until the up parts arrive, never
 stack's first dimension is the expert, so expert parallelism (not built yet) will slice it as
 it will slice the dense stack.
 
-The product is `kiln::moe_experts_int4`: the rows sorted by expert as the dense op sorts them.
-On the CPU, one int4 matmul per active expert (PyTorch's CPU kernel through `int4_mm`'s
-row-count policy). On CUDA, one launch per projection for all experts, kiln's Triton grouped
+The product is `kiln::moe_experts_packed`: the rows sorted by expert as the dense op sorts
+them. On the CPU, one product per active expert and projection: an int4 matmul (`int4_mm`'s
+row-count policy) or a call of the Q6_K or K-quant kernel (kiln/layers/packed_rows.py's
+policy). On CUDA, where experts are int4 planes only (a Q4_K stack becomes one; Q6_K and Q5_K
+stacks are dequantized), one launch per projection for all experts, kiln's Triton grouped
 kernel (kiln/layers/moe_triton.py) reading the planes in a layout of its own (`nibble_plane`:
 two codes a byte, bf16 scales and zeros per group), with the group ends on the device, so a
 CUDA graph captures it. A projection that could not be packed passes its dense stack
@@ -21,6 +25,7 @@ instead."""
 from __future__ import annotations
 
 import functools
+from dataclasses import fields
 
 import torch
 import torch.nn.functional as F
@@ -28,23 +33,44 @@ from torch import nn
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, pairs_table
 from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
+from kiln.layers.kquant_layout import KQuantCodes, KQuantPacked, kquant_dequantize, pack_kquant
 from kiln.layers.packed import (
     Int4Codes,
     QuantizedTensor,
     as_int4_plane,
     cat_rows,
+    for_device,
     int4_matmul,
     pack_plane,
     quantized_form,
 )
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
+from kiln.layers.packed_kquant import kquant_matmul
+from kiln.layers.packed_q6k import q6k_matmul
+from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
+
+# A stack's form, as the op takes it per projection: a group size (> 0) for int4 planes, else
+# one of these. The kernels' forms are one stack per buffer of their layout, in its order.
+DENSE_FORM, Q6K_FORM, KQUANT_FORM = 0, -6, -5
+# a kernel form's (layout, packer, dequantizer, matmul)
+KERNEL_LAYOUTS = {
+    Q6K_FORM: (Q6KPacked, pack_q6k, q6k_dequantize, q6k_matmul),
+    KQUANT_FORM: (KQuantPacked, pack_kquant, kquant_dequantize, kquant_matmul),
+}
+
+
+def form_of(t: QuantizedTensor) -> int:
+    """The op's form of a stack of matrices like `t`."""
+    plane = t.planes[0]
+    if isinstance(plane, Q6KCodes):
+        return Q6K_FORM
+    return KQUANT_FORM if isinstance(plane, KQuantCodes) else t.group_size
 
 
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     """Why an expert's quantized projection is not kept packed on `device`, or None."""
-    if not isinstance(t.planes[0], Int4Codes):
-        kernels = "kiln's Q6_K and K-quant kernels run whole matrices"
-        return f"{t.kind} experts have no packed kernel ({kernels})"
+    if form_of(t) in KERNEL_LAYOUTS:  # kiln's Q6_K and K-quant kernels: the CPU's
+        return matrix_unpackable_reason(t, device)
     if device.type == "cpu":
         return matrix_unpackable_reason(t, device)
     if device.type != "cuda":
@@ -72,49 +98,89 @@ def nibble_dequantize(pairs: torch.Tensor, scales_zeros: torch.Tensor, group_siz
     return (codes - 8) * scale + zero
 
 
-def _pack(plane: Int4Codes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _pack(plane, form: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """One expert's plane as the tensors its stacks hold."""
+    if form in KERNEL_LAYOUTS:
+        packed = KERNEL_LAYOUTS[form][1](plane)
+        return tuple(getattr(packed, f.name) for f in fields(packed))
     return pack_plane(plane, device) if device.type == "cpu" else nibble_plane(plane, device)
 
 
 class PackedExperts(nn.Module):
-    """One projection of every expert: buffers `packed{i}` [experts, ...] and
-    `scales_zeros{i}` [experts, K/G, N (padded on the CPU), 2] per plane i (two for Q8_0), in
-    the CPU kernel's layout or, on CUDA, `nibble_plane`'s; on the CPU [..., 1], the scales
-    alone, where every expert's zeros are 0."""
+    """One projection of every expert. int4 planes (`form` > 0, the group size): buffers
+    `packed{i}` [experts, ...] and `scales_zeros{i}` [experts, K/G, N (padded on the CPU), 2]
+    per plane i (two for Q8_0), in the CPU kernel's layout or, on CUDA, `nibble_plane`'s; on
+    the CPU [..., 1], the scales alone, where every expert's zeros are 0. Q6_K or K-quant
+    (`form` Q6K_FORM or KQUANT_FORM): `buffer{i}` [experts, ...] per buffer of the kernel's
+    layout, in its order."""
 
-    def __init__(self, stacks: list[tuple[torch.Tensor, torch.Tensor]], kind: str,
-                 group_size: int, shape: tuple[int, int]) -> None:  # fmt: skip
-        """`stacks[i]`: plane i's (packed, scales and zeros) of every expert."""
+    def __init__(self, stacks: list[tuple[torch.Tensor, ...]], kind: str, form: int,
+                 shape: tuple[int, int]) -> None:  # fmt: skip
+        """`stacks[i]`: plane i's tensors (packed, scales and zeros; or the kernel's buffers)
+        of every expert."""
         super().__init__()
-        self.kind, self.group_size = kind, group_size
+        self.kind, self.form = kind, form
         self.out_features, self.in_features = shape
         self.num_planes = len(stacks)
         self.int8_planes = 0  # rows into kiln's CPU kernel as int8 planes (--packed-activations)
+        if form in KERNEL_LAYOUTS:
+            for i, buffer in enumerate(stacks[0]):
+                self.register_buffer(f"buffer{i}", buffer)
+            return
         for i, (packed, scales_zeros) in enumerate(stacks):
             self.register_buffer(f"packed{i}", packed)
             self.register_buffer(f"scales_zeros{i}", scales_zeros)
 
+    @property
+    def group_size(self) -> int:
+        return max(self.form, 0)
+
+    def describe(self) -> str:
+        if self.form == Q6K_FORM:
+            return "6-bit packed (Q6_K's layout)"
+        if self.form == KQUANT_FORM:
+            bits = KQuantPacked(*self.planes()[0]).bits
+            return f"{bits}-bit packed (Q{bits}_K's layout)"
+        planes = " (two planes)" if self.num_planes == 2 else ""
+        return f"int4 packed, group {self.group_size}{planes}"
+
     def planes(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The op's operands: the stacks of packed codes and of scale tables (int4 planes), or
+        the kernel's buffers and no tables."""
+        if self.form in KERNEL_LAYOUTS:
+            return [b for name, b in self.named_buffers() if name.startswith("buffer")], []
         n = range(self.num_planes)
         return [getattr(self, f"packed{i}") for i in n], [
             getattr(self, f"scales_zeros{i}") for i in n
         ]
 
     def dequantize(self, expert: int) -> torch.Tensor:
-        """float32 [N, K] of one expert, as the kernel sees it (bf16 scales)."""
-        stacks = list(zip(*self.planes()))
-        return _dequantize_expert(stacks, expert, self.group_size, self.out_features)
+        """float32 [N, K] of one expert, as the kernel sees it (bf16 scales for int4 planes)."""
+        weights, tables = self.planes()
+        stacks = [tuple(weights)] if not tables else list(zip(weights, tables))
+        return _dequantize_expert(stacks, expert, self.form, self.out_features)
 
 
-def _dequantize_expert(stacks, expert: int, group_size: int, rows: int) -> torch.Tensor:
+def _dequantize_expert(stacks, expert: int, form: int, rows: int) -> torch.Tensor:
+    if form in KERNEL_LAYOUTS:
+        layout, _, dequantize, _ = KERNEL_LAYOUTS[form]
+        return dequantize(layout(*(t[expert] for t in stacks[0])))[:rows]
     if stacks[0][0].device.type != "cpu":
         return functools.reduce(torch.add, (
-            nibble_dequantize(p[expert], sz[expert], group_size) for p, sz in stacks
+            nibble_dequantize(p[expert], sz[expert], form) for p, sz in stacks
         ))  # fmt: skip
     w = functools.reduce(torch.add, (
-        cpu_dequantize_t(p[expert], sz[expert], group_size, torch.float32) for p, sz in stacks
+        cpu_dequantize_t(p[expert], sz[expert], form, torch.float32) for p, sz in stacks
     ))  # fmt: skip
     return w.t()[:rows]
+
+
+def _one_form(parts: list[QuantizedTensor]) -> list[QuantizedTensor]:
+    """Parts of one expert in one form where they can share one: a Q4_K part read for the
+    K-quant kernel beside another type's int4 plane becomes an int4 plane too."""
+    if len({quantized_form(p) for p in parts}) == 1:
+        return parts
+    return [as_int4_plane(p) for p in parts]
 
 
 class ExpertPacker:
@@ -127,10 +193,10 @@ class ExpertPacker:
     def __init__(self, num_experts: int, part_names: tuple[str, ...], device: torch.device):
         self.num_experts, self.part_names, self.device = num_experts, part_names, device
         self.parts: dict[int, dict[str, QuantizedTensor]] = {}  # experts not yet packed
-        self.stacks: list[tuple[torch.Tensor, torch.Tensor]] = []  # per plane, made once
+        self.stacks: list[tuple[torch.Tensor, ...]] = []  # per plane, made once
         self.filled: set[int] = set()
-        # (kind, planes, group size, shape) every expert must share, from the first one
-        self.format: tuple[str, int, int, tuple[int, int]] | None = None
+        # (kind, quantized form, op form, shape) every expert must share, from the first one
+        self.format: tuple[str, tuple, int, tuple[int, int]] | None = None
         self.reason: str | None = None
         if device.type not in ("cpu", "cuda"):
             self.reason = f"device {device.type} (kiln's packed experts run on the CPU and CUDA)"
@@ -139,23 +205,23 @@ class ExpertPacker:
         """Take one part; an expert whose parts are all in is packed, or sets `reason` (its
         parts then stay in `parts` for the owner's fallback)."""
         parts = self.parts.setdefault(expert, {})
-        parts[part] = as_int4_plane(t)
+        parts[part] = for_device(t, self.device)
         if len(parts) < len(self.part_names):
             return
-        ordered = [parts[name] for name in self.part_names]
+        ordered = _one_form([parts[name] for name in self.part_names])
         self.reason = self._reason(ordered)
         if self.reason is not None:
             return
         del self.parts[expert]
+        form = self.format[2]  # type: ignore[index]
         for i, plane in enumerate(cat_rows(ordered).planes):
-            packed, scales_zeros = _pack(plane, self.device)
+            tensors = _pack(plane, form, self.device)
             if len(self.stacks) == i:  # written in place: the load never copies a stack
-                self.stacks.append(tuple(  # type: ignore[arg-type]
-                    x.new_empty(self.num_experts, *x.shape) for x in (packed, scales_zeros)
-                ))  # fmt: skip
-            scales_zeros = self._table_for_stack(i, scales_zeros)
-            self.stacks[i][0][expert].copy_(packed)
-            self.stacks[i][1][expert].copy_(scales_zeros)
+                self.stacks.append(tuple(x.new_empty(self.num_experts, *x.shape) for x in tensors))
+            if form not in KERNEL_LAYOUTS:
+                tensors = (tensors[0], self._table_for_stack(i, tensors[1]))
+            for stack, x in zip(self.stacks[i], tensors, strict=True):
+                stack[expert].copy_(x)
         self.filled.add(expert)
 
     def _table_for_stack(self, i: int, table: torch.Tensor) -> torch.Tensor:
@@ -175,7 +241,8 @@ class ExpertPacker:
             return f"its {' and '.join(self.part_names)} parts are in different quantized formats"
         rows = sum(p.shape[0] for p in parts)
         first = parts[0]
-        form = (first.kind, len(first.planes), first.group_size, (rows, first.shape[1]))
+        kind = "+".join(sorted({p.kind for p in parts}))  # as cat_rows names it
+        form = (kind, quantized_form(first), form_of(first), (rows, first.shape[1]))
         if self.format is None:
             self.format = form  # type: ignore[assignment]
             return unpackable_reason(cat_rows(parts), self.device)
@@ -187,80 +254,86 @@ class ExpertPacker:
         return self.reason is None and len(self.filled) == self.num_experts
 
     def stack(self) -> PackedExperts:
-        kind, _, group_size, shape = self.format  # type: ignore[misc]
-        return PackedExperts(self.stacks, kind, group_size, shape)
+        kind, _, form, shape = self.format  # type: ignore[misc]
+        return PackedExperts(self.stacks, kind, form, shape)
 
     def dense_experts(self) -> dict[int, torch.Tensor]:
-        """Every expert packed so far, dequantized (float32 [rows, K], with the bf16 scales it
-        was packed with), and forgotten."""
+        """Every expert packed so far, dequantized (float32 [rows, K]; int4 planes with the
+        bf16 scales they were packed with), and forgotten."""
         if self.format is None:
             return {}
-        _, _, group_size, (rows, _) = self.format
-        out = {e: _dequantize_expert(self.stacks, e, group_size, rows) for e in self.filled}
+        _, _, form, (rows, _) = self.format
+        out = {e: _dequantize_expert(self.stacks, e, form, rows) for e in self.filled}
         self.stacks, self.filled = [], set()
         return out
 
 
 def _expert_product(
     rows: torch.Tensor, weight: list[torch.Tensor], scales_zeros: list[torch.Tensor],
-    group_size: int, expert: int, out_features: int, int8_planes: int,
+    form: int, expert: int, out_features: int, int8_planes: int,
 ) -> torch.Tensor:  # fmt: skip
-    """rows times expert `expert`'s projection: a dense stack (`scales_zeros` empty) or the
-    packed planes, summed."""
-    if not scales_zeros:
+    """rows times expert `expert`'s projection: a dense stack, the packed planes summed, or
+    the Q6_K or K-quant kernel's buffers."""
+    if form == DENSE_FORM:
         return F.linear(rows, weight[0][expert])
+    if form in KERNEL_LAYOUTS:
+        matmul = KERNEL_LAYOUTS[form][3]
+        y = matmul(rows, *(w[expert] for w in weight), None, int8_planes)
+        return y[:, :out_features].to(rows.dtype)
     second = (weight[1][expert], scales_zeros[1][expert]) if len(weight) == 2 else (None, None)
-    y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], group_size, *second,
+    y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], form, *second,
                     int8_planes)  # fmt: skip
     return y[:, :out_features].to(rows.dtype)
 
 
-def _moe_experts_int4(
+def _moe_experts_packed(
     x: torch.Tensor, gate_up: list[torch.Tensor], gate_up_sz: list[torch.Tensor],
-    down: list[torch.Tensor], down_sz: list[torch.Tensor], group_sizes: list[int],
+    down: list[torch.Tensor], down_sz: list[torch.Tensor], forms: list[int],
     intermediate: int, ids: torch.Tensor, weights: torch.Tensor, int8_planes: int = 0,
 ) -> torch.Tensor:  # fmt: skip
     if x.device.type != "cpu":
-        return _experts_on_triton(x, (gate_up, gate_up_sz), (down, down_sz), group_sizes, ids,
+        return _experts_on_triton(x, (gate_up, gate_up_sz), (down, down_sz), forms, ids,
                                   weights)  # fmt: skip
 
     def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
-        hidden = _expert_product(rows, gate_up, gate_up_sz, group_sizes[0], expert,
+        hidden = _expert_product(rows, gate_up, gate_up_sz, forms[0], expert,
                                  2 * intermediate, int8_planes)  # fmt: skip
         gate, up = hidden.chunk(2, dim=-1)
-        return _expert_product(F.silu(gate) * up, down, down_sz, group_sizes[1], expert,
+        return _expert_product(F.silu(gate) * up, down, down_sz, forms[1], expert,
                                x.shape[-1], int8_planes)  # fmt: skip
 
     return experts_loop(x, ids, weights, gate_up[0].shape[0], project)
 
 
-def _experts_on_triton(x, gate_up, down, group_sizes, ids, weights) -> torch.Tensor:
+def _experts_on_triton(x, gate_up, down, forms, ids, weights) -> torch.Tensor:
     """The CUDA path: every stack in one grouped launch; (planes, scales) pairs whose scales
     list is empty are a dense stack."""
     from kiln.layers.moe_triton import experts_triton  # triton: a CUDA dependency
+
+    if any(form in KERNEL_LAYOUTS for form in forms):
+        raise ValueError("kiln's Q6_K and K-quant experts run on the CPU only")
 
     def stack(planes: list[torch.Tensor], scales_zeros: list[torch.Tensor]):
         return list(zip(planes, scales_zeros, strict=True)) if scales_zeros else planes[0]
 
     tokens, order, counts = sorted_by_expert(ids, gate_up[0][0].shape[0])
-    out = experts_triton(x[tokens], stack(*gate_up), stack(*down), counts, tuple(group_sizes))
+    out = experts_triton(x[tokens], stack(*gate_up), stack(*down), counts, tuple(forms))
     return combine(x, out, tokens, order, weights)
 
 
 _LIB = torch.library.Library("kiln", "FRAGMENT")
 _LIB.define(
-    "moe_experts_int4(Tensor x, Tensor[] gate_up, Tensor[] gate_up_sz, Tensor[] down, "
-    "Tensor[] down_sz, int[] group_sizes, int intermediate, Tensor ids, Tensor weights, "
+    "moe_experts_packed(Tensor x, Tensor[] gate_up, Tensor[] gate_up_sz, Tensor[] down, "
+    "Tensor[] down_sz, int[] forms, int intermediate, Tensor ids, Tensor weights, "
     "int int8_planes=0) -> Tensor"
 )
-_LIB.impl("moe_experts_int4", _moe_experts_int4, "CompositeExplicitAutograd")
+_LIB.impl("moe_experts_packed", _moe_experts_packed, "CompositeExplicitAutograd")
 
 
-def _moe_experts_int4_fake(
-    x, gate_up, gate_up_sz, down, down_sz, group_sizes, intermediate, ids, weights,
-    int8_planes=0,
+def _moe_experts_packed_fake(
+    x, gate_up, gate_up_sz, down, down_sz, forms, intermediate, ids, weights, int8_planes=0,
 ) -> torch.Tensor:  # fmt: skip
     return torch.empty_like(x)
 
 
-torch.library.register_fake("kiln::moe_experts_int4", _moe_experts_int4_fake, lib=_LIB)
+torch.library.register_fake("kiln::moe_experts_packed", _moe_experts_packed_fake, lib=_LIB)

@@ -4,8 +4,9 @@ chat template from the file's metadata (via transformers).
 
 Mixture-of-experts files (`qwen3moe`) hold each layer's experts as three stacked tensors,
 `ffn_{gate,up,down}_exps` [experts, rows, columns]; they are handed to the model one expert at a
-time, under the names transformers saves them with (as 4-bit planes where the type packs, so the
-model can keep them packed). A layer without a router (`ffn_gate_inp`) is a dense one.
+time, under the names transformers saves them with (as codes where the type packs: 4-bit
+planes, or Q6_K's and the K-quants' own codes, so the model can keep them packed). A layer
+without a router (`ffn_gate_inp`) is a dense one.
 
 llama.cpp's converter can fuse projections (`--fuse-qkv`, `--fuse-gate-up-exps`): `attn_qkv`
 holds q, k and v one after another along the rows (for `llama`, q and k in the converter's
@@ -120,12 +121,13 @@ def take_rows(x, rows: Rows | None):
 def _expert_planes(
     name: str, kind: str, t: GGUFTensor, parts: list[tuple[str, Rows | None]]
 ) -> Iterator[tuple[str, QuantizedTensor]]:
-    """A stacked expert tensor ([experts, rows, columns]) as each expert's 4-bit planes (cut
-    into `parts` where it is fused), read one expert at a time."""
+    """A stacked expert tensor ([experts, rows, columns]) as each expert's codes (cut into
+    `parts` where it is fused), read one expert at a time; Q4_K as the K-quant kernel's exact
+    codes, which the experts turn into int4 planes where that kernel does not run."""
     experts, rows, columns = reversed(t.shape)
     data = np.asarray(t.data).reshape(experts, -1)
     for e in range(experts):
-        planes = gguf_codes(kind, data[e], (rows, columns))
+        planes = gguf_codes(kind, data[e], (rows, columns), exact_q4_k=True)
         for part, part_rows in parts:
             yield part.format(e), take_rows(planes, part_rows)
 
@@ -273,7 +275,7 @@ class GGUFSource(ModelSource):
                 "experts " if "{}" in parts[0][0] else "")  # fmt: skip
             if keep_packed and kind in PACKED_GGUF_TYPES and len(t.shape) in (2, 3):
                 form = {"Q6_K": "6-bit codes", "Q5_K": "5-bit codes"}.get(kind, "4-bit planes")
-                if kind == "Q4_K" and len(t.shape) == 2:
+                if kind == "Q4_K":
                     form = "4-bit K-quant codes"
                 became[f"{kind} {what}read as {form}"] += 1
                 if len(t.shape) == 3:

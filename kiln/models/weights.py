@@ -215,9 +215,7 @@ def _expert_formats(experts: FusedExperts) -> list[tuple[str, list[torch.Tensor]
     for stack in ("gate_up_proj", "down_proj"):
         if stack in experts.packed:
             p = experts.packed[stack]
-            planes = " (two planes)" if p.num_planes == 2 else ""
-            fmt = f"experts: {p.kind} -> int4 packed, group {p.group_size}{planes}"
-            out.append((fmt, list(p.buffers())))
+            out.append((f"experts: {p.kind} -> {p.describe()}", list(p.buffers())))
             continue
         dense = getattr(experts, stack)
         reason = experts.fallback_reasons.get(stack)
