@@ -6,7 +6,8 @@ Qwen3-30B-A3B's expert mix (128 experts, top 8) scaled to a small machine by def
 With `--packed TYPE ...` (`--int4`: Q4_0), a block per GGUF type whose experts are kept packed
 joins: the HF weights quantized to that type (Q4_0 by the `gguf` package; Q4_K, Q5_K and Q6_K as
 random blocks of the type, as benchmarks/make_random_gguf.py writes them), on kiln's CPU kernels
-(int4 planes, or the Q6_K and K-quant kernels) or the grouped int4 Triton kernel on CUDA. Q4_K_M
+(int4 planes, or the Q6_K and K-quant kernels) or the grouped int4 Triton kernel on CUDA (Q4_0
+and Q4_K only: Q5_K, Q6_K and Q4_K_M stay packed on the CPU only). Q4_K_M
 is Q4_K gate/up beside Q6_K down experts (a Q4_K_M file's more-bits layers); Q4_K-int4 is Q4_K
 as int4 planes (where the K-quant kernel does not run). Each packed block is checked against
 kiln's per-expert block on its weights dequantized, and timed beside HF's and the dense ones.
@@ -125,7 +126,35 @@ def _time(fn, x: torch.Tensor, repeats: int) -> float:
     return (time.perf_counter() - start) / repeats * 1e3
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def _check(blocks: dict, references: dict, hf, x: torch.Tensor) -> None:
+    """Each kiln block against HF's, each packed one against its weights dequantized (bf16
+    scales or int8 rows: a few bf16 ulps)."""
+    ref = hf(x[None])[0]
+    for name, block in blocks.items():
+        if name in references:
+            want = references[name](x)
+            atol = 16 * 2**-8 * want.abs().max().item()
+            torch.testing.assert_close(block(x), want, rtol=0, atol=atol)
+        elif name != "hf":
+            torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
+
+
+def _medians(blocks: dict, hf, x: torch.Tensor, rounds: int) -> dict[str, float]:
+    """Each block's median ms, rounds interleaved, the order rotated each round."""
+    repeats = max(2, 64 // x.shape[0])
+    times = {name: [] for name in blocks}
+    for r in range(rounds):
+        names = list(blocks)[r % len(blocks) :] + list(blocks)[: r % len(blocks)]
+        for name in names:
+            fn = (lambda v: hf(v[None])) if name == "hf" else blocks[name]
+            times[name].append(_time(fn, x, repeats))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+CPU_ONLY_TYPES = ("Q5_K", "Q6_K", "Q4_K_M")  # kiln's Q6_K and K-quant kernels run on the CPU
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--intermediate", type=int, default=384)
@@ -140,6 +169,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--int4", action="store_true", help="the same as --packed Q4_0")
     args = p.parse_args(argv)
     args.packed += ["Q4_0"] if args.int4 and "Q4_0" not in args.packed else []
+    cpu_only = [kind for kind in args.packed if kind in CPU_ONLY_TYPES]
+    if cpu_only and args.device != "cpu":
+        p.error(f"--packed {' '.join(cpu_only)}: those experts stay packed on the CPU only "
+                "(on CUDA they are dequantized); use --device cpu")  # fmt: skip
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = _arguments(argv)
     dtype, device = getattr(torch, args.dtype), torch.device(args.device)
     torch.manual_seed(0)
     hf = _hf_block(args).to(device, dtype).eval()
@@ -150,30 +188,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
     }
     if device.type == "cuda":  # kiln's Triton kernel: what CUDA graphs use where _grouped_mm can't
         blocks["kiln (triton)"] = _kiln_block(hf, args, moe.experts_by_triton).to(device, dtype)
-    packed_references = {}
+    references = {}
     for kind in args.packed:
         name = f"kiln (packed {kind})"
-        blocks[name], packed_references[name] = _packed_block(hf, args, device, dtype, kind)
+        blocks[name], references[name] = _packed_block(hf, args, device, dtype, kind)
     rows = []
     with torch.inference_mode():
         for n in args.tokens:
             x = torch.randn(n, args.hidden, device=device, dtype=dtype)
-            ref = hf(x[None])[0]
-            for name, block in blocks.items():
-                if name in packed_references:  # against the same weights dequantized
-                    want = packed_references[name](x)  # bf16 scales or rows: a few bf16 ulps
-                    atol = 16 * 2**-8 * want.abs().max().item()
-                    torch.testing.assert_close(block(x), want, rtol=0, atol=atol)
-                elif name != "hf":
-                    torch.testing.assert_close(block(x), ref, rtol=2e-2, atol=2e-3)
-            repeats = max(2, 64 // n)
-            times = {name: [] for name in blocks}
-            for r in range(args.rounds):  # interleaved, order rotated each round
-                names = list(blocks)[r % len(blocks) :] + list(blocks)[: r % len(blocks)]
-                for name in names:
-                    fn = (lambda v: hf(v[None])) if name == "hf" else blocks[name]
-                    times[name].append(_time(fn, x, repeats))
-            med = {name: statistics.median(t) for name, t in times.items()}
+            _check(blocks, references, hf, x)
+            med = _medians(blocks, hf, x, args.rounds)
             rows.append({"tokens": n, **{k: round(v, 3) for k, v in med.items()}})
     names = list(blocks)
     print("| tokens | " + " | ".join(f"{n} ms" for n in names) + " | hf / kiln (per-expert) |")

@@ -60,7 +60,8 @@ def _int4_experts_only(t, device):
     return _EXPERTS_REASON(t, device)
 
 
-_EXPERTS_REASON = packed_experts.unpackable_reason  # before boot() patches it
+# the unpatched reason, taken at import: boot() patches the module's name while it loads
+_EXPERTS_REASON = packed_experts.unpackable_reason
 
 
 def _one_format_only(parts, out_features, device):

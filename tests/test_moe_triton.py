@@ -67,11 +67,14 @@ def _packed_stack(kind: str, experts: int, n: int, k: int, seed: int):
     kernel's layout, and the float32 [experts, n, k] they stand for (bf16 scales, as packed)."""
     import numpy as np
 
+    from kiln.layers.packed import for_device
     from kiln.layers.packed_experts import nibble_dequantize, nibble_plane
     from tests.test_packed_experts import _quantized
 
     rng = np.random.default_rng(seed)
-    per_expert = [[nibble_plane(p, DEVICE) for p in _quantized(kind, n, k, rng)[1].planes]
+    cuda = torch.device("cuda")  # the form ExpertPacker gives it there (Q4_K: int4 planes)
+    per_expert = [[nibble_plane(p, DEVICE) for p in for_device(_quantized(kind, n, k, rng)[1],
+                                                               cuda).planes]
                   for _ in range(experts)]  # fmt: skip
     planes = [tuple(torch.stack([e[i][j] for e in per_expert]) for j in (0, 1))
               for i in range(len(per_expert[0]))]  # fmt: skip

@@ -72,6 +72,18 @@ def _kernel_runs(form: int) -> bool:
     return (q6k_matmul_kernel() if form == Q6K_FORM else kquant_matmul_kernel()) is not None
 
 
+@pytest.fixture(params=[True, False], ids=["kernels", "no-kernels"])
+def kernels(request, monkeypatch) -> bool:
+    """Whether kiln's Q6_K and K-quant kernels run: as this CPU has them, or (False) as on a
+    CPU without AVX512-VNNI and VBMI, where the loader's checks find no kernel."""
+    import kiln.layers.packed as packed
+
+    if not request.param:
+        monkeypatch.setattr(packed, "q6k_matmul_kernel", lambda: None)
+        monkeypatch.setattr(packed, "kquant_matmul_kernel", lambda: None)
+    return request.param and _kernel_runs(Q6K_FORM) and _kernel_runs(KQUANT_FORM)
+
+
 def _experts(kinds: list, seed: int = 0, device: torch.device = CPU):
     """FusedExperts loaded with expert e's three parts in `kinds[e]` (None: dense float32; a
     tuple: gate, up and down each its own), and the float32 reference stacks (on the CPU)."""
@@ -117,23 +129,9 @@ def _routing(tokens: int, seed: int = 1):
 @pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: the dense path for expert 0
 def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     """int4 planes, and Q6_K, Q5_K and Q4_K on kiln's own kernels (exact codes, the rows as two
-    int8 planes) where this CPU runs them: Q4_K as int4 planes where it does not, Q6_K and Q5_K
-    dequantized, saying why."""
+    int8 planes) where this CPU runs them (test_without_the_kernels_... below: where not)."""
     experts, gate_up, down = _experts([kind] * E)
-    form = _kernel_form(kind)
-    if form is not None and not _kernel_runs(form):
-        if kind == "Q4_K":
-            assert experts.packed["down_proj"].form == 32
-        else:
-            assert not experts.packed and "AVX512-VNNI" in experts.fallback_reasons["down_proj"]
-    elif form is not None:
-        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [form] * 2
-        bits = kind[1]
-        assert experts.packed["down_proj"].describe() == f"{bits}-bit packed (Q{bits}_K's layout)"
-    else:
-        _assert_int4_stacks(experts, kind)
-    if experts.packed:
-        assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks
+    _assert_stacks(experts, kind, _kernel_form(kind) is None or _kernel_runs(_kernel_form(kind)))
     x, ids, weights = _routing(tokens)
     y = experts(x.to(dtype), ids, weights.to(dtype))
     assert y.shape == x.shape and y.dtype == dtype
@@ -142,6 +140,39 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
     # bf16 ulps of the output's magnitude; a wrong code order or expert is off by the magnitude
     tol = (8 if dtype == torch.float32 else 16) * BF16_ULP * ref.abs().max().item()
     torch.testing.assert_close(y.float(), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
+def test_without_the_kernels_q4_k_experts_are_int4_planes_and_the_rest_dense(kind, monkeypatch):
+    """On a CPU without AVX512-VNNI and VBMI: Q4_K experts become int4 planes, Q6_K and Q5_K
+    ones are dequantized, saying why; the product is the same within the planes' bf16 scales."""
+    import kiln.layers.packed as packed
+
+    monkeypatch.setattr(packed, "q6k_matmul_kernel", lambda: None)
+    monkeypatch.setattr(packed, "kquant_matmul_kernel", lambda: None)
+    experts, gate_up, down = _experts([kind] * E)
+    _assert_stacks(experts, kind, kernels=False)
+    x, ids, weights = _routing(5)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+def _assert_stacks(experts, kind: str, kernels: bool) -> None:
+    """The stacks `kind`'s experts make, with or without the Q6_K and K-quant kernels."""
+    form = _kernel_form(kind)
+    if form is None:
+        return _assert_int4_stacks(experts, kind)
+    if not kernels and kind == "Q4_K":
+        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [32] * 2
+    elif not kernels:
+        assert not experts.packed and "AVX512-VNNI" in experts.fallback_reasons["down_proj"]
+        return
+    else:
+        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [form] * 2
+        bits = kind[1]
+        assert experts.packed["down_proj"].describe() == f"{bits}-bit packed (Q{bits}_K's layout)"
+    assert experts.gate_up_proj is None and experts.down_proj is None  # no dense stacks kept
 
 
 def _assert_int4_stacks(experts, kind: str) -> None:
@@ -232,20 +263,51 @@ def test_a_q5_k_gate_beside_a_q4_k_up_makes_the_stack_dense():
     torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
 
 
-def test_each_stack_takes_its_own_kernel():
+@pytest.mark.parametrize(("kinds", "forms", "without"), [
+    (("Q4_K", "Q4_K", "Q6_K"), [KQUANT_FORM, Q6K_FORM], [32, None]),
+    (("Q5_K", "Q5_K", "Q4_0"), [KQUANT_FORM, 32], [None, 32]),
+])  # fmt: skip
+def test_each_stack_takes_its_own_kernel(kinds, forms, without, kernels):
     """A Q4_K_M file's layer: Q4_K gate/up on the K-quant kernel beside Q6_K down experts on
     the Q6_K kernel; a Q5_K_M one's Q5_K gate/up beside an int4 (Q4_0) down stack. Each stack
-    keeps its form, and the product matches the per-token reference."""
-    for kinds, forms in (("Q4_K", "Q4_K", "Q6_K"), (KQUANT_FORM, Q6K_FORM)), (
-        ("Q5_K", "Q5_K", "Q4_0"), (KQUANT_FORM, 32)):  # fmt: skip
-        if not _kernel_runs(Q6K_FORM) or not _kernel_runs(KQUANT_FORM):
-            pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
-        experts, gate_up, down = _experts([kinds] * E)
-        assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == list(forms)
-        x, ids, weights = _routing(7)
-        ref = _per_token(x, gate_up, down, ids, weights)
-        tol = 8 * BF16_ULP * ref.abs().max().item()
-        torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+    keeps its form (`without` the kernels: int4 planes, or None, dense), and the product
+    matches the per-token reference."""
+    experts, gate_up, down = _experts([kinds] * E)
+    got = [experts.packed[s].form if s in experts.packed else None
+           for s in ("gate_up_proj", "down_proj")]  # fmt: skip
+    assert got == (forms if kernels else without)
+    x, ids, weights = _routing(7)
+    ref = _per_token(x, gate_up, down, ids, weights)
+    tol = 8 * BF16_ULP * ref.abs().max().item()
+    torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
+
+
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q4_K"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_call_for_a_steps_experts_equals_a_call_per_expert(kind, dtype):
+    """The kernels' grouped entry (every active expert of a projection in one call) gives each
+    group's rows exactly what a call on that expert alone gives, in both output dtypes and with
+    one or two int8 planes; rows of no group are zeros."""
+    from kiln.layers.expert_groups import ExpertGroups
+    from kiln.layers.kquant_layout import KQuantPacked
+    from kiln.layers.q6k_layout import Q6KPacked
+
+    form = _kernel_form(kind)
+    if not _kernel_runs(form):
+        pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
+    experts, _, _ = _experts([kind] * E)
+    stack = experts.packed["gate_up_proj"]
+    layout = Q6KPacked if form == Q6K_FORM else KQuantPacked
+    kernel = (q6k_matmul_kernel if form == Q6K_FORM else kquant_matmul_kernel)()
+    rows = torch.randn(9, H, generator=torch.Generator().manual_seed(3)).to(dtype)
+    groups = ExpertGroups(experts=[0, 2], starts=[0, 3], counts=[3, 5])  # row 8: no group
+    for planes in (1, 2):
+        got = kernel.matmul_experts(rows, layout(*stack.planes()[0]), groups, dtype, planes)
+        for e, start, count in zip(groups.experts, groups.starts, groups.counts):
+            alone = layout(*(b[e] for b in stack.planes()[0]))
+            want = kernel.matmul(rows[start : start + count].contiguous(), alone, dtype, planes)
+            assert torch.equal(got[start : start + count], want)
+        assert not got[8].any()
 
 
 def test_a_q4_k_gate_beside_a_q4_0_up_share_int4_planes():
@@ -264,6 +326,13 @@ def test_a_q4_k_gate_beside_a_q4_0_up_share_int4_planes():
 def test_kernel_experts_packed_before_a_dense_one_come_back_exact(kind):
     """Expert 0 packed on its kernel, then a dense expert: the stacks become dense and expert
     0 comes back exactly as the gguf package dequantizes it (its codes and scales are exact)."""
+    if not _kernel_runs(_kernel_form(kind)):
+        pytest.skip("no kernel to pack expert 0 with (the fallback: test_without_the_kernels_...)")
+    with CPU:
+        experts = FusedExperts(E, H, I)
+    _, planes = _quantized(kind, H, I, np.random.default_rng(0))
+    experts.load_quantized(0, "down_proj", planes)
+    assert experts.packers["down_proj"].filled == {0}  # packed on the kernel, not held
     experts, gate_up, down = _experts([kind, None, kind])
     assert not experts.packed
     assert experts.fallback_reasons["down_proj"] == "not every expert arrived quantized"
@@ -283,10 +352,21 @@ def _assert_equal_but_packed_scales(experts, gate_up, down, packed_first: list[i
 
 
 def test_packed_experts_run_on_the_cpu_and_cuda():
+    """int4 planes on both; Q6_K and Q5_K on the CPU only, and Q4_K as int4 planes on CUDA
+    (the form ExpertPacker packs on a device)."""
+    from kiln.layers.packed import for_device
+
+    cuda = torch.device("cuda")
     _, planes = _quantized("Q4_0", 64, 256, np.random.default_rng(0))
     assert unpackable_reason(planes, CPU) is None
-    assert unpackable_reason(planes, torch.device("cuda")) is None
+    assert unpackable_reason(planes, cuda) is None
     assert "the CPU and CUDA" in unpackable_reason(planes, torch.device("mps"))
+    for kind in ("Q6_K", "Q5_K"):
+        _, codes = _quantized(kind, 64, 256, np.random.default_rng(0))
+        assert "on the CPU only" in unpackable_reason(codes, cuda)
+    _, exact = _quantized("Q4_K", 64, 256, np.random.default_rng(0))
+    assert isinstance(for_device(exact, cuda).planes[0], Int4Codes)
+    assert unpackable_reason(for_device(exact, cuda), cuda) is None
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K-int4", "Q8_0"])
@@ -363,20 +443,26 @@ def test_a_packed_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, pa
     assert "experts: Q8_0 -> int4 packed, group 32 (two planes)" in formats
 
 
-def test_a_k_quant_moe_gguf_matches_hf_on_the_dequantized_weights(tiny_models, k_quant_moe_gguf):
+def test_a_k_quant_moe_gguf_matches_hf_on_the_dequantized_weights(
+    tiny_models, k_quant_moe_gguf, kernels
+):
     """A Q4_K_M/Q5_K_M-like Qwen3-MoE (tests.conftest.K_QUANT_MOE: Q4_K gate/up beside Q6_K
     down experts, Q5_K gate/up beside Q4_K down): every expert stack packed on this CPU's
-    kernels, and the logits as HF's on the same values dequantized (the codes are exact; the
-    rows go in as two int8 planes and the products round to bf16)."""
-    if not _kernel_runs(Q6K_FORM) or not _kernel_runs(KQUANT_FORM):
-        pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
+    kernels (without them: Q4_K as int4 planes, Q6_K and Q5_K dense), and the logits as HF's
+    on the same values dequantized (the codes are exact and the rows go in as two int8 planes:
+    measured 0.01 bf16 ulps of the largest logit; without the kernels the int4 planes' bf16
+    scales give 1.04; 8 allowed, as for the other packed models)."""
     from tests.conftest import k_quant_moe_model
 
     hf = _dequantized_hf(k_quant_moe_model(), k_quant_moe_kind)
     engine = _engine_matches_hf(k_quant_moe_gguf, tiny_models["qwen3_moe"], hf)
     layers = engine.runner.model.layers
-    forms = [[m.experts.packed[s].form for s in ("gate_up_proj", "down_proj")] for m in
-             (layer.mlp for layer in layers)]  # fmt: skip
+    experts = [layer.mlp.experts for layer in layers]
+    forms = [[e.packed[s].form if s in e.packed else None for s in ("gate_up_proj", "down_proj")]
+             for e in experts]  # fmt: skip
+    if not kernels:
+        assert forms == [[32, None], [None, 32]]
+        return
     assert forms == [[KQUANT_FORM, Q6K_FORM], [KQUANT_FORM, KQUANT_FORM]]
     formats = {fmt for fmt, _, _ in engine.runner.model.weight_summary}
     assert {f"experts: Q{b}_K -> {b}-bit packed (Q{b}_K's layout)" for b in (4, 5, 6)} <= formats

@@ -21,7 +21,7 @@ from kiln.layers.embedding import VocabEmbedding
 from kiln.layers.int4_kernel import int4_matmul_kernel
 from kiln.layers.linear import Linear, onednn_runs
 from kiln.layers.packed import PackedWeight
-from kiln.layers.packed_experts import PackedExperts
+from kiln.layers.packed_experts import KERNEL_LAYOUTS, PackedExperts
 from kiln.layers.packed_kquant import PackedKQuant
 from kiln.layers.packed_q6k import PackedQ6K
 
@@ -73,5 +73,6 @@ def choose_packed_activations(model: nn.Module, policy: str, strict: bool) -> st
         module.int8_planes = planes
     described = {0: "float32", 1: "one int8 plane (8 bits)", 2: "two int8 planes (16 bits)"}
     own = " (Q6_K, Q5_K, Q4_K: two int8 planes)" if planes == 0 and any(
-        isinstance(m, (PackedQ6K, PackedKQuant)) for m in packed) else ""  # fmt: skip
+        isinstance(m, (PackedQ6K, PackedKQuant)) or getattr(m, "form", 0) in KERNEL_LAYOUTS
+        for m in packed) else ""  # fmt: skip
     return f"as {described[planes]} per 32 columns{own} (--packed-activations {policy})"

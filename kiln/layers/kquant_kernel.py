@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.layers.expert_groups import ExpertGroups, check_rows, expert_strides
 from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.kquant_layout import KQuantCodes, KQuantPacked, kquant_dequantize, pack_kquant
 from kiln.native import FLAGS, built_library, checked_kernel
@@ -52,6 +53,24 @@ class KQuantMatmulKernel:
         self.library.kiln_kquant_mm(
             DTYPES[rows.dtype], rows.data_ptr(), r, k, w.bits, *_pointers(w), n, DTYPES[dtype],
             out.data_ptr(), int8_planes, torch.get_num_threads(), int(portable),
+        )  # fmt: skip
+        return out
+
+    def matmul_experts(
+        self, rows: torch.Tensor, stack: KQuantPacked, groups: ExpertGroups, dtype: torch.dtype,
+        int8_planes: int = 2,
+    ) -> torch.Tensor:  # fmt: skip
+        """`matmul` for a step's experts in one call: rows [R, K] sorted by expert, `stack` the
+        experts' weights (each buffer with a leading expert dimension) -> [R, N padded] in
+        `dtype`, group g's rows times expert experts[g] (rows of no group: zeros)."""
+        k, n = stack.low.shape[2] * 2, stack.scales_mins.shape[1] * stack.scales_mins.shape[4]
+        check_rows(rows, k, DTYPES)
+        buffers = [stack.low, stack.high, stack.scales_mins, stack.d_dmin]
+        out = torch.empty(rows.shape[0], n, dtype=dtype)
+        self.library.kiln_kquant_mm_experts(
+            DTYPES[rows.dtype], rows.data_ptr(), rows.shape[0], k, stack.bits,
+            *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *groups.arrays(),
+            DTYPES[dtype], out.data_ptr(), int8_planes, torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -124,6 +143,9 @@ def load_kquant_matmul(flags: tuple[str, ...]) -> KQuantMatmulKernel:
     library.kiln_kquant_mm.restype = None
     library.kiln_kquant_mm.argtypes = [flag, ptr, i64, i64, flag, *[ptr] * 4, i64, flag, ptr, flag,
                                        flag, flag]  # fmt: skip
+    library.kiln_kquant_mm_experts.restype = None
+    library.kiln_kquant_mm_experts.argtypes = [flag, ptr, i64, i64, flag, *[ptr] * 5, i64, i64,
+                                               ptr, ptr, ptr, flag, ptr, flag, flag]  # fmt: skip
     library.kiln_kquant_dequantize_t.restype = None
     library.kiln_kquant_dequantize_t.argtypes = [flag, *[ptr] * 4, i64, i64, flag, ptr, flag]
     return KQuantMatmulKernel(library, library.kiln_kquant_vectorized() == 1)

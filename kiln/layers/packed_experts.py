@@ -2,8 +2,9 @@
 stack over the expert dimension of a packed matrix's tensors per expert: the 4-bit planes of
 kiln/layers/packed.py, or on the CPU the buffers of kiln's Q6_K and K-quant kernels
 (kiln/layers/packed_q6k.py, kiln/layers/packed_kquant.py). Qwen3-30B-A3B's experts in Q4_K keep
-about 18 GB (codes and scales) where, dequantized, they would take 58 GB in bf16; a Q4_K_M
-file's Q6_K down experts (about half its layers) keep 6.56 bits a weight, not bf16's 16.
+about 17 GB on the CPU (4.75 bits a weight; 18 GB as int4 planes on CUDA) where, dequantized,
+they would take 58 GB in bf16; a Q4_K_M file's Q6_K down experts (about half its layers) keep
+6.56 bits a weight, not bf16's 16.
 
 Checkpoints store experts one at a time (GGUF's stacked tensors are read one expert at a time
 too), so `ExpertPacker` packs each expert as soon as its parts (gate and up, or down) have
@@ -13,28 +14,36 @@ stack's first dimension is the expert, so expert parallelism (not built yet) wil
 it will slice the dense stack.
 
 The product is `kiln::moe_experts_packed`: the rows sorted by expert as the dense op sorts
-them. On the CPU, one product per active expert and projection: an int4 matmul (`int4_mm`'s
-row-count policy) or a call of the Q6_K or K-quant kernel (kiln/layers/packed_rows.py's
-policy). On CUDA, where experts are int4 planes only (a Q4_K stack becomes one; Q6_K and Q5_K
-stacks are dequantized), one launch per projection for all experts, kiln's Triton grouped
-kernel (kiln/layers/moe_triton.py) reading the planes in a layout of its own (`nibble_plane`:
-two codes a byte, bf16 scales and zeros per group), with the group ends on the device, so a
-CUDA graph captures it. A projection that could not be packed passes its dense stack
-instead."""
+them. On the CPU, per projection: an int4 matmul per active expert (`int4_mm`'s row-count
+policy), or for the Q6_K and K-quant kernels one call for every expert of a step whose experts
+all have fewer than DEQUANT_MIN_ROWS rows (kiln/layers/expert_groups.py), else a product per
+expert (kiln/layers/packed_rows.py's policy). On CUDA, where experts are int4 planes only (a
+Q4_K stack becomes one; Q6_K and Q5_K stacks are dequantized), one launch per projection for
+all experts, kiln's Triton grouped kernel (kiln/layers/moe_triton.py) reading the planes in a
+layout of its own (`nibble_plane`: two codes a byte, bf16 scales and zeros per group), with the
+group ends on the device, so a CUDA graph captures it. A projection that could not be packed
+passes its dense stack instead."""
 
 from __future__ import annotations
 
 import functools
-from dataclasses import fields
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from types import MappingProxyType
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, pairs_table
-from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
+from kiln.layers.expert_groups import ExpertGroups
+from kiln.layers.expert_routing import combine, sorted_by_expert
+from kiln.layers.int4_kernel import CAST_DTYPES
+from kiln.layers.kquant_kernel import kquant_matmul_kernel
 from kiln.layers.kquant_layout import KQuantCodes, KQuantPacked, kquant_dequantize, pack_kquant
 from kiln.layers.packed import (
+    DEQUANT_MIN_ROWS,
     Int4Codes,
     QuantizedTensor,
     as_int4_plane,
@@ -47,16 +56,31 @@ from kiln.layers.packed import (
 from kiln.layers.packed import unpackable_reason as matrix_unpackable_reason
 from kiln.layers.packed_kquant import kquant_matmul
 from kiln.layers.packed_q6k import q6k_matmul
+from kiln.layers.q6k_kernel import q6k_matmul_kernel
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 
 # A stack's form, as the op takes it per projection: a group size (> 0) for int4 planes, else
 # one of these. The kernels' forms are one stack per buffer of their layout, in its order.
 DENSE_FORM, Q6K_FORM, KQUANT_FORM = 0, -6, -5
-# a kernel form's (layout, packer, dequantizer, matmul)
-KERNEL_LAYOUTS = {
-    Q6K_FORM: (Q6KPacked, pack_q6k, q6k_dequantize, q6k_matmul),
-    KQUANT_FORM: (KQuantPacked, pack_kquant, kquant_dequantize, kquant_matmul),
-}
+
+
+@dataclass(frozen=True)
+class KernelForm:
+    """What a stack on one of kiln's int8-row kernels is made and multiplied with."""
+
+    layout: type  # the packed buffers' record (Q6KPacked, KQuantPacked)
+    pack: Callable  # codes -> layout
+    dequantize: Callable  # layout -> float32 [N padded, K]
+    matmul: Callable  # one expert's rows, packed_rows.py's policy (dequantized from 256 rows)
+    kernel: Callable  # the loaded library, whose matmul_experts takes a step's experts at once
+
+
+KERNEL_LAYOUTS = MappingProxyType({
+    Q6K_FORM: KernelForm(Q6KPacked, pack_q6k, q6k_dequantize, q6k_matmul, q6k_matmul_kernel),
+    KQUANT_FORM: KernelForm(
+        KQuantPacked, pack_kquant, kquant_dequantize, kquant_matmul, kquant_matmul_kernel
+    ),
+})  # fmt: skip
 
 
 def form_of(t: QuantizedTensor) -> int:
@@ -69,7 +93,7 @@ def form_of(t: QuantizedTensor) -> int:
 
 def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
     """Why an expert's quantized projection is not kept packed on `device`, or None."""
-    if form_of(t) in KERNEL_LAYOUTS:  # kiln's Q6_K and K-quant kernels: the CPU's
+    if form_of(t) in KERNEL_LAYOUTS:  # as for a matrix: those kernels run on the CPU only
         return matrix_unpackable_reason(t, device)
     if device.type == "cpu":
         return matrix_unpackable_reason(t, device)
@@ -98,10 +122,13 @@ def nibble_dequantize(pairs: torch.Tensor, scales_zeros: torch.Tensor, group_siz
     return (codes - 8) * scale + zero
 
 
-def _pack(plane, form: int, device: torch.device) -> tuple[torch.Tensor, ...]:
-    """One expert's plane as the tensors its stacks hold."""
+def _pack(
+    plane: Int4Codes | Q6KCodes | KQuantCodes, form: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """One expert's plane as the tensors its stacks hold (a kernel form's: its layout's fields,
+    in their order)."""
     if form in KERNEL_LAYOUTS:
-        packed = KERNEL_LAYOUTS[form][1](plane)
+        packed = KERNEL_LAYOUTS[form].pack(plane)
         return tuple(getattr(packed, f.name) for f in fields(packed))
     return pack_plane(plane, device) if device.type == "cpu" else nibble_plane(plane, device)
 
@@ -111,8 +138,8 @@ class PackedExperts(nn.Module):
     `packed{i}` [experts, ...] and `scales_zeros{i}` [experts, K/G, N (padded on the CPU), 2]
     per plane i (two for Q8_0), in the CPU kernel's layout or, on CUDA, `nibble_plane`'s; on
     the CPU [..., 1], the scales alone, where every expert's zeros are 0. Q6_K or K-quant
-    (`form` Q6K_FORM or KQUANT_FORM): `buffer{i}` [experts, ...] per buffer of the kernel's
-    layout, in its order."""
+    (`form` Q6K_FORM or KQUANT_FORM): one buffer [experts, ...] per field of the kernel's
+    layout (Q6KPacked, KQuantPacked), under the field's name."""
 
     def __init__(self, stacks: list[tuple[torch.Tensor, ...]], kind: str, form: int,
                  shape: tuple[int, int]) -> None:  # fmt: skip
@@ -123,9 +150,11 @@ class PackedExperts(nn.Module):
         self.out_features, self.in_features = shape
         self.num_planes = len(stacks)
         self.int8_planes = 0  # rows into kiln's CPU kernel as int8 planes (--packed-activations)
+        self.buffer_names: tuple[str, ...] = ()  # a kernel form's, in its layout's order
         if form in KERNEL_LAYOUTS:
-            for i, buffer in enumerate(stacks[0]):
-                self.register_buffer(f"buffer{i}", buffer)
+            self.buffer_names = tuple(f.name for f in fields(KERNEL_LAYOUTS[form].layout))
+            for name, buffer in zip(self.buffer_names, stacks[0], strict=True):
+                self.register_buffer(name, buffer)
             return
         for i, (packed, scales_zeros) in enumerate(stacks):
             self.register_buffer(f"packed{i}", packed)
@@ -133,9 +162,11 @@ class PackedExperts(nn.Module):
 
     @property
     def group_size(self) -> int:
+        """The int4 planes' group size; 0 for a kernel form (its scales are the layout's)."""
         return max(self.form, 0)
 
     def describe(self) -> str:
+        """The weight report's words for the stack."""
         if self.form == Q6K_FORM:
             return "6-bit packed (Q6_K's layout)"
         if self.form == KQUANT_FORM:
@@ -148,7 +179,7 @@ class PackedExperts(nn.Module):
         """The op's operands: the stacks of packed codes and of scale tables (int4 planes), or
         the kernel's buffers and no tables."""
         if self.form in KERNEL_LAYOUTS:
-            return [b for name, b in self.named_buffers() if name.startswith("buffer")], []
+            return [getattr(self, name) for name in self.buffer_names], []
         n = range(self.num_planes)
         return [getattr(self, f"packed{i}") for i in n], [
             getattr(self, f"scales_zeros{i}") for i in n
@@ -161,10 +192,17 @@ class PackedExperts(nn.Module):
         return _dequantize_expert(stacks, expert, self.form, self.out_features)
 
 
-def _dequantize_expert(stacks, expert: int, form: int, rows: int) -> torch.Tensor:
+def _dequantize_expert(
+    stacks: list[tuple[torch.Tensor, ...]], expert: int, form: int, rows: int
+) -> torch.Tensor:
+    """float32 [rows, K] of one expert of `stacks` (PackedExperts' tensors, per plane)."""
     if form in KERNEL_LAYOUTS:
-        layout, _, dequantize, _ = KERNEL_LAYOUTS[form]
-        return dequantize(layout(*(t[expert] for t in stacks[0])))[:rows]
+        kernel_form = KERNEL_LAYOUTS[form]
+        w = kernel_form.layout(*(t[expert] for t in stacks[0]))
+        kernel = kernel_form.kernel()  # exact either way; the kernel's is the faster
+        if kernel is None:
+            return kernel_form.dequantize(w)[:rows]
+        return kernel.dequantize_t(w, torch.float32).t()[:rows]
     if stacks[0][0].device.type != "cpu":
         return functools.reduce(torch.add, (
             nibble_dequantize(p[expert], sz[expert], form) for p, sz in stacks
@@ -209,12 +247,17 @@ class ExpertPacker:
         if len(parts) < len(self.part_names):
             return
         ordered = _one_form([parts[name] for name in self.part_names])
-        self.reason = self._reason(ordered)
+        if len({quantized_form(p) for p in ordered}) > 1:
+            names = " and ".join(self.part_names)
+            self.reason = f"its {names} parts are in different quantized formats"
+            return
+        whole = cat_rows(ordered)
+        self.reason = self._reason(whole)
         if self.reason is not None:
             return
         del self.parts[expert]
         form = self.format[2]  # type: ignore[index]
-        for i, plane in enumerate(cat_rows(ordered).planes):
+        for i, plane in enumerate(whole.planes):
             tensors = _pack(plane, form, self.device)
             if len(self.stacks) == i:  # written in place: the load never copies a stack
                 self.stacks.append(tuple(x.new_empty(self.num_experts, *x.shape) for x in tensors))
@@ -236,16 +279,12 @@ class ExpertPacker:
             return table
         return pairs_table(table)
 
-    def _reason(self, parts: list[QuantizedTensor]) -> str | None:
-        if len({quantized_form(p) for p in parts}) > 1:
-            return f"its {' and '.join(self.part_names)} parts are in different quantized formats"
-        rows = sum(p.shape[0] for p in parts)
-        first = parts[0]
-        kind = "+".join(sorted({p.kind for p in parts}))  # as cat_rows names it
-        form = (kind, quantized_form(first), form_of(first), (rows, first.shape[1]))
+    def _reason(self, whole: QuantizedTensor) -> str | None:
+        """Why an expert whose parts make `whole` cannot join the stacks, or None."""
+        form = (whole.kind, quantized_form(whole), form_of(whole), whole.shape)
         if self.format is None:
             self.format = form  # type: ignore[assignment]
-            return unpackable_reason(cat_rows(parts), self.device)
+            return unpackable_reason(whole, self.device)
         same = form[1:] == self.format[1:]
         return None if same else "its experts arrived in different quantized formats"
 
@@ -277,13 +316,36 @@ def _expert_product(
     if form == DENSE_FORM:
         return F.linear(rows, weight[0][expert])
     if form in KERNEL_LAYOUTS:
-        matmul = KERNEL_LAYOUTS[form][3]
-        y = matmul(rows, *(w[expert] for w in weight), None, int8_planes)
+        y = KERNEL_LAYOUTS[form].matmul(rows, *(w[expert] for w in weight), None, int8_planes)
         return y[:, :out_features].to(rows.dtype)
     second = (weight[1][expert], scales_zeros[1][expert]) if len(weight) == 2 else (None, None)
     y = int4_matmul(rows, weight[0][expert], scales_zeros[0][expert], form, *second,
                     int8_planes)  # fmt: skip
     return y[:, :out_features].to(rows.dtype)
+
+
+def _projection(
+    rows: torch.Tensor, stack: tuple[list[torch.Tensor], list[torch.Tensor]], form: int,
+    groups: ExpertGroups, out_features: int, int8_planes: int,
+) -> torch.Tensor:  # fmt: skip
+    """Every group's rows (sorted by expert) times its expert's matrix -> [R, out_features]:
+    one call of the Q6_K or K-quant kernel for all of them where every expert has fewer rows
+    than the dense switch (decode steps), else a product per expert."""
+    weight, scales_zeros = stack
+    if form in KERNEL_LAYOUTS and groups.counts and max(groups.counts) < DEQUANT_MIN_ROWS:
+        kernel_form = KERNEL_LAYOUTS[form]
+        inner = rows if rows.dtype in CAST_DTYPES else rows.float()
+        stacked = kernel_form.layout(*weight)
+        y = kernel_form.kernel().matmul_experts(inner.contiguous(), stacked, groups, inner.dtype,
+                                                int8_planes or 2)  # fmt: skip
+        return y[:, :out_features].to(rows.dtype)
+    out = rows.new_empty(rows.shape[0], out_features)
+    for expert, start, count in zip(groups.experts, groups.starts, groups.counts, strict=True):
+        out[start : start + count] = _expert_product(
+            rows[start : start + count], weight, scales_zeros, form, expert, out_features,
+            int8_planes,
+        )  # fmt: skip
+    return out
 
 
 def _moe_experts_packed(
@@ -294,18 +356,28 @@ def _moe_experts_packed(
     if x.device.type != "cpu":
         return _experts_on_triton(x, (gate_up, gate_up_sz), (down, down_sz), forms, ids,
                                   weights)  # fmt: skip
+    tokens, order, counts = sorted_by_expert(ids, gate_up[0].shape[0])
+    groups = _groups(counts.tolist())
+    hidden = _projection(x[tokens], (gate_up, gate_up_sz), forms[0], groups, 2 * intermediate,
+                         int8_planes)  # fmt: skip
+    gate, up = hidden.chunk(2, dim=-1)
+    out = _projection(F.silu(gate) * up, (down, down_sz), forms[1], groups, x.shape[-1],
+                      int8_planes)  # fmt: skip
+    return combine(x, out, tokens, order, weights)
 
-    def project(rows: torch.Tensor, expert: int) -> torch.Tensor:
-        hidden = _expert_product(rows, gate_up, gate_up_sz, forms[0], expert,
-                                 2 * intermediate, int8_planes)  # fmt: skip
-        gate, up = hidden.chunk(2, dim=-1)
-        return _expert_product(F.silu(gate) * up, down, down_sz, forms[1], expert,
-                               x.shape[-1], int8_planes)  # fmt: skip
 
-    return experts_loop(x, ids, weights, gate_up[0].shape[0], project)
+def _groups(counts: list[int]) -> ExpertGroups:
+    """The active experts of a step whose rows are sorted by expert, `counts` rows each."""
+    experts = [e for e, count in enumerate(counts) if count]
+    starts = list(itertools.accumulate((counts[e] for e in experts), initial=0))[:-1]
+    return ExpertGroups(experts, starts, [counts[e] for e in experts])
 
 
-def _experts_on_triton(x, gate_up, down, forms, ids, weights) -> torch.Tensor:
+def _experts_on_triton(
+    x: torch.Tensor, gate_up: tuple[list[torch.Tensor], list[torch.Tensor]],
+    down: tuple[list[torch.Tensor], list[torch.Tensor]], forms: list[int], ids: torch.Tensor,
+    weights: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
     """The CUDA path: every stack in one grouped launch; (planes, scales) pairs whose scales
     list is empty are a dense stack."""
     from kiln.layers.moe_triton import experts_triton  # triton: a CUDA dependency

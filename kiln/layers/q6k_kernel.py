@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.layers.expert_groups import ExpertGroups, check_rows, expert_strides
 from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 from kiln.native import FLAGS, built_library, checked_kernel
@@ -48,6 +49,24 @@ class Q6KMatmulKernel:
             DTYPES[rows.dtype], rows.data_ptr(), r, k, w.low.data_ptr(), w.high.data_ptr(),
             w.sub_scales.data_ptr(), w.d.data_ptr(), n, DTYPES[dtype], out.data_ptr(),
             int8_planes, torch.get_num_threads(), int(portable),
+        )  # fmt: skip
+        return out
+
+    def matmul_experts(
+        self, rows: torch.Tensor, stack: Q6KPacked, groups: ExpertGroups, dtype: torch.dtype,
+        int8_planes: int = 2,
+    ) -> torch.Tensor:  # fmt: skip
+        """`matmul` for a step's experts in one call: rows [R, K] sorted by expert, `stack` the
+        experts' weights (each buffer with a leading expert dimension) -> [R, N padded] in
+        `dtype`, group g's rows times expert experts[g] (rows of no group: zeros)."""
+        k, n = stack.low.shape[2] * 2, stack.sub_scales.shape[2]
+        check_rows(rows, k, DTYPES)
+        buffers = [stack.low, stack.high, stack.sub_scales, stack.d]
+        out = torch.empty(rows.shape[0], n, dtype=dtype)
+        self.library.kiln_q6k_mm_experts(
+            DTYPES[rows.dtype], rows.data_ptr(), rows.shape[0], k,
+            *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *groups.arrays(),
+            DTYPES[dtype], out.data_ptr(), int8_planes, torch.get_num_threads(),
         )  # fmt: skip
         return out
 
@@ -110,6 +129,9 @@ def load_q6k_matmul(flags: tuple[str, ...]) -> Q6KMatmulKernel:
     library.kiln_q6k_mm.restype = None
     library.kiln_q6k_mm.argtypes = [flag, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, flag, ptr, flag,
                                     flag, flag]  # fmt: skip
+    library.kiln_q6k_mm_experts.restype = None
+    library.kiln_q6k_mm_experts.argtypes = [flag, ptr, i64, i64, *[ptr] * 5, i64, i64, ptr, ptr,
+                                            ptr, flag, ptr, flag, flag]  # fmt: skip
     library.kiln_q6k_dequantize_t.restype = None
     library.kiln_q6k_dequantize_t.argtypes = [ptr, ptr, ptr, ptr, i64, i64, flag, ptr, flag]
     return Q6KMatmulKernel(library, library.kiln_q6k_vectorized() == 1)

@@ -72,6 +72,15 @@ void for_each_block(int64_t blocks, int threads, RunBlock run_block) {
   for (int64_t b = 0; b < blocks; ++b) run_block(b);
 }
 
+// `run_block(g, b)` for block b of product g's output columns, for `groups` products of
+// `blocks` blocks each (a step's experts): one parallel region for all of them, where a call
+// per product would fork and join its threads once each
+template <typename RunBlock>
+void for_each_group_block(int64_t groups, int64_t blocks, int threads, RunBlock run_block) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t item = 0; item < groups * blocks; ++item) run_block(item / blocks, item % blocks);
+}
+
 inline void prefetch(const void* p) { __builtin_prefetch(p, 0, 3); }  // prefetcht0
 
 #if defined(__AVX512F__)

@@ -256,6 +256,14 @@ struct Weight {
   const float* d_dmin;
   int64_t n;
   int bits;
+
+  // Expert e's weight in a stack whose four buffers lie `strides` bytes from one expert's to
+  // the next's
+  Weight expert(int64_t e, const int64_t* strides) const {
+    const auto* dd = reinterpret_cast<const uint8_t*>(d_dmin) + e * strides[3];
+    return {low + e * strides[0], high + e * strides[1], scales_mins + e * strides[2],
+            reinterpret_cast<const float*>(dd), n, bits};
+  }
 };
 
 void kquant_mm(const float* x, int64_t rows, int64_t k, const Weight& w, float* out, int planes,
@@ -269,6 +277,31 @@ void kquant_mm(const float* x, int64_t rows, int64_t k, const Weight& w, float* 
   kiln_int8_rows::for_each_block(w.n / BLOCK, threads, [&](int64_t b) {
     portable ? run_block_portable(p, b) : run_block(p, b);
   });
+}
+
+// A step's experts in one call: group g multiplies rows [starts[g], starts[g] + counts[g]) of x
+// by expert experts[g] of `stack` into the same rows of out [rows, n] (rows of no group: zeros),
+// every group's blocks in one parallel region. Each group's sums are kquant_mm's on its rows.
+void kquant_mm_experts(const float* x, int64_t rows, int64_t k, const Weight& stack,
+                       const int64_t* strides, int64_t groups, const int64_t* experts,
+                       const int64_t* starts, const int64_t* counts, float* out, int planes,
+                       int threads) {
+  std::memset(out, 0, sizeof(float) * rows * stack.n);
+  std::vector<kiln_int8_rows::QuantizedRows> quantized;
+  std::vector<std::vector<float>> sums(groups);
+  std::vector<Problem> problems;
+  quantized.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    quantized.emplace_back(x + starts[g] * k, counts[g], k, planes, threads);
+    sums[g].resize(counts[g] * (k / SUB));
+    const Weight w = stack.expert(experts[g], strides);
+    problems.push_back({quantized[g].xq.data(), quantized[g].xscale.data(), sums[g].data(),
+                        counts[g], k, planes, w.bits, w.low, w.high, w.scales_mins, w.d_dmin,
+                        w.n, out + starts[g] * w.n});
+    row_sums(problems[g], sums[g].data());
+  }
+  kiln_int8_rows::for_each_group_block(groups, stack.n / BLOCK, threads,
+                                       [&](int64_t g, int64_t b) { run_block(problems[g], b); });
 }
 
 // W^T [k, n] in T (float or bf16): q (sc d) - mn dmin, both products exact in float32 (6 + 11
@@ -321,6 +354,22 @@ void kiln_kquant_mm(int x_dtype, const void* x, int64_t rows, int64_t k, int bit
   const Weight w{low, high, scales_mins, d_dmin, n, bits == 5 ? 5 : 4};
   kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
     kquant_mm(xs, rows, k, w, ys, planes == 2 ? 2 : 1, threads, portable != 0);
+  });
+}
+
+// kiln_kquant_mm for a step's experts (kquant_mm_experts): x [rows, k] sorted by expert, the
+// weights a stack of experts whose buffers lie `strides` bytes apart, out [rows, n] (rows of no
+// group: zeros)
+void kiln_kquant_mm_experts(int x_dtype, const void* x, int64_t rows, int64_t k, int bits,
+                            const uint8_t* low, const uint8_t* high, const uint8_t* scales_mins,
+                            const float* d_dmin, const int64_t* strides, int64_t n,
+                            int64_t groups, const int64_t* experts, const int64_t* starts,
+                            const int64_t* counts, int out_dtype, void* out, int planes,
+                            int threads) {
+  const Weight stack{low, high, scales_mins, d_dmin, n, bits == 5 ? 5 : 4};
+  kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
+    kquant_mm_experts(xs, rows, k, stack, strides, groups, experts, starts, counts, ys,
+                      planes == 2 ? 2 : 1, threads);
   });
 }
 

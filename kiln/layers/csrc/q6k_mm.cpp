@@ -221,6 +221,35 @@ void q6k_mm(const float* x, int64_t rows, int64_t k, const uint8_t* low, const u
   });
 }
 
+// A step's experts in one call, as kquant_mm_experts: group g multiplies rows [starts[g],
+// starts[g] + counts[g]) of x by expert experts[g] of the stack (`low` ... `d` the first
+// expert's, each buffer `strides` bytes from one expert's to the next's) into the same rows of
+// out [rows, n] (rows of no group: zeros), every group's blocks in one parallel region.
+void q6k_mm_experts(const float* x, int64_t rows, int64_t k, const uint8_t* low,
+                    const uint8_t* high, const int8_t* sub_scales, const float* d,
+                    const int64_t* strides, int64_t n, int64_t groups, const int64_t* experts,
+                    const int64_t* starts, const int64_t* counts, float* out, int planes,
+                    int threads) {
+  std::memset(out, 0, sizeof(float) * rows * n);
+  std::vector<kiln_int8_rows::QuantizedRows> quantized;
+  std::vector<std::vector<int32_t>> bias(groups);
+  std::vector<Problem> problems;
+  quantized.reserve(groups);
+  for (int64_t g = 0; g < groups; ++g) {
+    const int64_t e = experts[g];
+    quantized.emplace_back(x + starts[g] * k, counts[g], k, planes, threads);
+    bias[g].resize(counts[g] * (k / SUB));
+    const auto* dd = reinterpret_cast<const uint8_t*>(d) + e * strides[3];
+    problems.push_back({quantized[g].xq.data(), quantized[g].xscale.data(), bias[g].data(),
+                        counts[g], k, planes, low + e * strides[0], high + e * strides[1],
+                        sub_scales + e * strides[2], reinterpret_cast<const float*>(dd), n,
+                        out + starts[g] * n});
+    row_bias(problems[g], bias[g].data());
+  }
+  kiln_int8_rows::for_each_group_block(groups, n / BLOCK, threads,
+                                       [&](int64_t g, int64_t b) { run_block(problems[g], b); });
+}
+
 // W^T [k, n] in T (float or bf16): (q - 32) * (sc * d), exact in float32 (11 + 7 + 6 bits),
 // rounded once to bf16. A work item is one column of one block.
 template <typename T>
@@ -265,6 +294,19 @@ void kiln_q6k_mm(int x_dtype, const void* x, int64_t rows, int64_t k, const uint
   kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
     q6k_mm(xs, rows, k, low, high, sub_scales, d, n, ys, planes == 2 ? 2 : 1, threads,
            portable != 0);
+  });
+}
+
+// kiln_q6k_mm for a step's experts (q6k_mm_experts): x [rows, k] sorted by expert, out
+// [rows, n] (rows of no group: zeros)
+void kiln_q6k_mm_experts(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* low,
+                         const uint8_t* high, const int8_t* sub_scales, const float* d,
+                         const int64_t* strides, int64_t n, int64_t groups,
+                         const int64_t* experts, const int64_t* starts, const int64_t* counts,
+                         int out_dtype, void* out, int planes, int threads) {
+  kiln_bf16::in_float32(x_dtype, x, rows, k, out_dtype, out, n, [&](const float* xs, float* ys) {
+    q6k_mm_experts(xs, rows, k, low, high, sub_scales, d, strides, n, groups, experts, starts,
+                   counts, ys, planes == 2 ? 2 : 1, threads);
   });
 }
 

@@ -1,0 +1,43 @@
+"""A step's experts as the grouped entry points of kiln's Q6_K and K-quant kernels take them
+(`kiln_q6k_mm_experts`, `kiln_kquant_mm_experts`): one call for every active expert of a
+projection, where a call per expert costs its own ctypes call, row quantization and OpenMP
+fork and join (about 9 us on two threads, for a product of a few microseconds' streaming)."""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+Int64Array = ctypes.Array[ctypes.c_int64]
+
+
+def _int64s(values: list[int]) -> Int64Array:
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+@dataclass(frozen=True)
+class ExpertGroups:
+    """Group g: rows [starts[g], starts[g] + counts[g]) of a step's rows, sorted by expert,
+    go to expert experts[g]."""
+
+    experts: list[int]
+    starts: list[int]
+    counts: list[int]
+
+    def arrays(self) -> tuple[int, Int64Array, Int64Array, Int64Array]:
+        """(groups, experts, starts, counts) as the C entry points take them."""
+        return len(self.experts), *(_int64s(v) for v in (self.experts, self.starts, self.counts))
+
+
+def expert_strides(buffers: list[torch.Tensor]) -> Int64Array:
+    """Bytes from one expert's part of each stacked buffer [experts, ...] to the next's."""
+    return _int64s([b.stride(0) * b.element_size() for b in buffers])
+
+
+def check_rows(rows: torch.Tensor, k: int, dtypes) -> None:
+    """Rows a kernel takes: contiguous [R, k], float32 or bf16."""
+    if rows.shape[-1] != k or not rows.is_contiguous() or rows.dtype not in dtypes:
+        raise ValueError(f"contiguous float32 or bf16 rows of {k} columns, not "
+                         f"{rows.dtype} {tuple(rows.shape)}")  # fmt: skip
