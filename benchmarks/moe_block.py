@@ -10,7 +10,8 @@ random blocks of the type, as benchmarks/make_random_gguf.py writes them), on ki
 and Q4_K only: Q5_K, Q6_K and Q4_K_M stay packed on the CPU only). Q4_K_M
 is Q4_K gate/up beside Q6_K down experts (a Q4_K_M file's more-bits layers); Q4_K-int4 is Q4_K
 as int4 planes (where the K-quant kernel does not run). Each packed block is checked against
-kiln's per-expert block on its weights dequantized, and timed beside HF's and the dense ones.
+kiln's per-expert block on its weights dequantized, and timed beside HF's and the dense ones;
+on the CPU its rows go into the kernels as `--packed-activations auto` puts them.
 
     python benchmarks/moe_block.py                                # CPU, fp32
     python benchmarks/moe_block.py --hidden 2048 --intermediate 768 --experts 128 \
@@ -91,6 +92,7 @@ def _packed_block(hf: torch.nn.Module, args, device, dtype, kind: str):
     per-expert block on those weights dequantized (its reference)."""
     import gguf
 
+    from kiln.boot.cpu_linears import choose_packed_activations
     from kiln.loader.gguf_quant import gguf_codes
     from kiln.models import build_on
 
@@ -113,6 +115,8 @@ def _packed_block(hf: torch.nn.Module, args, device, dtype, kind: str):
     block.experts.finalize(device)
     if set(block.experts.packed) != {"gate_up_proj", "down_proj"}:
         raise SystemExit(f"the experts were not kept packed: {block.experts.fallback_reasons}")
+    if device.type == "cpu":  # the rows as the engine's default puts them into the kernels
+        choose_packed_activations(block, "auto", strict=False)
     return block, dense
 
 

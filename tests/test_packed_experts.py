@@ -282,31 +282,31 @@ def test_each_stack_takes_its_own_kernel(kinds, forms, without, kernels):
     torch.testing.assert_close(experts(x, ids, weights), ref, rtol=0, atol=tol)
 
 
-@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q4_K"])
+@pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q4_K", "Q4_0", "Q4_K-int4", "Q8_0"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_one_call_for_a_steps_experts_equals_a_call_per_expert(kind, dtype):
-    """The kernels' grouped entry (every active expert of a projection in one call) gives each
-    group's rows exactly what a call on that expert alone gives, in both output dtypes and with
-    one or two int8 planes; rows of no group are zeros."""
+    """The kernels' grouped entries (every active expert of a projection in one call; Q8_0's
+    two planes one call each) give each group's rows exactly what the product of that expert
+    alone gives, in both dtypes and with the rows as float32 (int4 planes) or one or two int8
+    planes; rows of no group are zeros."""
     from kiln.layers.expert_groups import ExpertGroups
-    from kiln.layers.kquant_layout import KQuantPacked
-    from kiln.layers.q6k_layout import Q6KPacked
+    from kiln.layers.packed_experts import _expert_product, _one_call
 
     form = _kernel_form(kind)
-    if not _kernel_runs(form):
-        pytest.skip("kiln's Q6_K and K-quant kernels need AVX512-VNNI and AVX512-VBMI")
+    runs = _kernel_runs(form) if form is not None else int4_matmul_kernel() is not None
+    if not runs:
+        pytest.skip("no kiln kernel for this form on this CPU")
     experts, _, _ = _experts([kind] * E)
     stack = experts.packed["gate_up_proj"]
-    layout = Q6KPacked if form == Q6K_FORM else KQuantPacked
-    kernel = (q6k_matmul_kernel if form == Q6K_FORM else kquant_matmul_kernel)()
     rows = torch.randn(9, H, generator=torch.Generator().manual_seed(3)).to(dtype)
     groups = ExpertGroups(experts=[0, 2], starts=[0, 3], counts=[3, 5])  # row 8: no group
-    for planes in (1, 2):
-        got = kernel.matmul_experts(rows, layout(*stack.planes()[0]), groups, dtype, planes)
+    for planes in (0, 1, 2):
+        got = _one_call(rows, stack.planes(), stack.form, groups, planes)
+        assert got is not None
         for e, start, count in zip(groups.experts, groups.starts, groups.counts):
-            alone = layout(*(b[e] for b in stack.planes()[0]))
-            want = kernel.matmul(rows[start : start + count].contiguous(), alone, dtype, planes)
-            assert torch.equal(got[start : start + count], want)
+            alone = _expert_product(rows[start : start + count], *stack.planes(), stack.form, e,
+                                    2 * I, planes)  # fmt: skip
+            assert torch.equal(got[start : start + count, : 2 * I].to(dtype), alone)
         assert not got[8].any()
 
 

@@ -1,7 +1,7 @@
-"""A step's experts as the grouped entry points of kiln's Q6_K and K-quant kernels take them
-(`kiln_q6k_mm_experts`, `kiln_kquant_mm_experts`): one call for every active expert of a
-projection, where a call per expert costs its own ctypes call, row quantization and OpenMP
-fork and join (about 9 us on two threads, for a product of a few microseconds' streaming)."""
+"""A step's experts as the grouped entry points of kiln's CPU kernels take them
+(`kiln_q6k_mm_experts`, `kiln_kquant_mm_experts`, `kiln_int4_mm_experts`): one call for every
+active expert of a projection, where a call per expert costs its own ctypes call, row
+quantization and OpenMP fork and join (about 9 us on two threads before any weight is read)."""
 
 from __future__ import annotations
 

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack, table_terms
+from kiln.layers.expert_groups import ExpertGroups, expert_strides
 from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
@@ -51,6 +52,30 @@ class Int4MatmulKernel:
         self.library.kiln_int4_mm(
             rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(), terms, n, block_n,
             group_size, out.data_ptr(), int(accumulate), torch.get_num_threads(), int8_planes,
+        )  # fmt: skip
+        return out
+
+    def matmul_experts(
+        self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
+        group_size: int, block_n: int, groups: ExpertGroups, out: torch.Tensor | None = None,
+        int8_planes: int = 0,
+    ) -> torch.Tensor:  # fmt: skip
+        """`matmul` for a step's experts in one call: float32 rows [R, K] sorted by expert,
+        `packed` and `scales_zeros` one plane of every expert (a leading expert dimension) ->
+        float32 [R, N], group g's rows times expert experts[g] (rows of no group: zeros), each
+        group's bit for bit a `matmul` of its rows alone; added into `out` where it is given."""
+        r, k = rows.shape
+        n = scales_zeros.shape[2]
+        if rows.dtype != torch.float32 or not rows.is_contiguous():
+            raise ValueError(f"contiguous float32 rows, not {rows.dtype} {tuple(rows.shape)}")
+        accumulate = out is not None
+        if out is None:
+            out = torch.empty(r, n, dtype=torch.float32)
+        self.library.kiln_int4_mm_experts(
+            rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(),
+            _table_width(scales_zeros[0]), expert_strides([packed, scales_zeros]), n, block_n,
+            group_size, *groups.arrays(), out.data_ptr(), int(accumulate),
+            torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out
 
@@ -178,6 +203,9 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
                                      flag]  # fmt: skip
     library.kiln_int4_mm_cast.argtypes = [flag, ptr, i64, i64, ptr, ptr, flag, i64, i64, i64, flag,
                                           ptr, flag, flag]  # fmt: skip
+    library.kiln_int4_mm_experts.restype = None
+    library.kiln_int4_mm_experts.argtypes = [ptr, i64, i64, ptr, ptr, flag, ptr, i64, i64, i64,
+                                             i64, ptr, ptr, ptr, ptr, flag, flag, flag]  # fmt: skip
     library.kiln_int4_mm_int8_rows.restype = flag
     library.kiln_int4_dequantize_t.restype = None
     library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, flag, i64, i64, i64, i64, flag, ptr, flag]

@@ -14,15 +14,15 @@ stack's first dimension is the expert, so expert parallelism (not built yet) wil
 it will slice the dense stack.
 
 The product is `kiln::moe_experts_packed`: the rows sorted by expert as the dense op sorts
-them. On the CPU, per projection: an int4 matmul per active expert (`int4_mm`'s row-count
-policy), or for the Q6_K and K-quant kernels one call for every expert of a step whose experts
-all have fewer than DEQUANT_MIN_ROWS rows (kiln/layers/expert_groups.py), else a product per
-expert (kiln/layers/packed_rows.py's policy). On CUDA, where experts are int4 planes only (a
-Q4_K stack becomes one; Q6_K and Q5_K stacks are dequantized), one launch per projection for
-all experts, kiln's Triton grouped kernel (kiln/layers/moe_triton.py) reading the planes in a
-layout of its own (`nibble_plane`: two codes a byte, bf16 scales and zeros per group), with the
-group ends on the device, so a CUDA graph captures it. A projection that could not be packed
-passes its dense stack instead."""
+them. On the CPU, per projection: one call of kiln's kernel for every expert of a step whose
+experts all have fewer than DEQUANT_MIN_ROWS rows (kiln/layers/expert_groups.py; one per plane
+for int4 planes), else a product per expert (`int4_mm`'s row-count policy for int4 planes,
+kiln/layers/packed_rows.py's for the Q6_K and K-quant kernels). On CUDA, where experts are
+int4 planes only (a Q4_K stack becomes one; Q6_K and Q5_K stacks are dequantized), one launch
+per projection for all experts, kiln's Triton grouped kernel (kiln/layers/moe_triton.py)
+reading the planes in a layout of its own (`nibble_plane`: two codes a byte, bf16 scales and
+zeros per group), with the group ends on the device, so a CUDA graph captures it. A projection
+that could not be packed passes its dense stack instead."""
 
 from __future__ import annotations
 
@@ -36,10 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kiln.layers.cpu_int4_layout import cpu_dequantize_t, pairs_table
+from kiln.layers.cpu_int4_layout import CPU_BLOCKS, cpu_block_n, cpu_dequantize_t, pairs_table
 from kiln.layers.expert_groups import ExpertGroups
 from kiln.layers.expert_routing import combine, sorted_by_expert
-from kiln.layers.int4_kernel import CAST_DTYPES
+from kiln.layers.int4_kernel import CAST_DTYPES, int4_matmul_kernel
 from kiln.layers.kquant_kernel import kquant_matmul_kernel
 from kiln.layers.kquant_layout import KQuantCodes, KQuantPacked, kquant_dequantize, pack_kquant
 from kiln.layers.packed import (
@@ -329,16 +329,14 @@ def _projection(
     groups: ExpertGroups, out_features: int, int8_planes: int,
 ) -> torch.Tensor:  # fmt: skip
     """Every group's rows (sorted by expert) times its expert's matrix -> [R, out_features]:
-    one call of the Q6_K or K-quant kernel for all of them where every expert has fewer rows
-    than the dense switch (decode steps), else a product per expert."""
+    one call of kiln's kernel for all of them (one per plane) where every expert has fewer rows
+    than the dense switch (decode steps) and a kernel takes the stack, else a product per
+    expert."""
+    if groups.counts and max(groups.counts) < DEQUANT_MIN_ROWS:
+        y = _one_call(rows, stack, form, groups, int8_planes)
+        if y is not None:
+            return y[:, :out_features].to(rows.dtype)
     weight, scales_zeros = stack
-    if form in KERNEL_LAYOUTS and groups.counts and max(groups.counts) < DEQUANT_MIN_ROWS:
-        kernel_form = KERNEL_LAYOUTS[form]
-        inner = rows if rows.dtype in CAST_DTYPES else rows.float()
-        stacked = kernel_form.layout(*weight)
-        y = kernel_form.kernel().matmul_experts(inner.contiguous(), stacked, groups, inner.dtype,
-                                                int8_planes or 2)  # fmt: skip
-        return y[:, :out_features].to(rows.dtype)
     out = rows.new_empty(rows.shape[0], out_features)
     for expert, start, count in zip(groups.experts, groups.starts, groups.counts, strict=True):
         out[start : start + count] = _expert_product(
@@ -346,6 +344,28 @@ def _projection(
             int8_planes,
         )  # fmt: skip
     return out
+
+
+def _one_call(
+    rows: torch.Tensor, stack: tuple[list[torch.Tensor], list[torch.Tensor]], form: int,
+    groups: ExpertGroups, int8_planes: int,
+) -> torch.Tensor | None:  # fmt: skip
+    """Every group through one kernel call (one per plane), each group's products bit for bit
+    what a call on its rows alone makes: [R, N padded] in the rows' dtype or float32; None
+    where no kernel takes the stack (a dense one, int4 planes without kiln's kernel)."""
+    weight, scales_zeros = stack
+    if form in KERNEL_LAYOUTS:
+        x = rows if rows.dtype in CAST_DTYPES else rows.float()
+        kernel = KERNEL_LAYOUTS[form].kernel()
+        stacked = KERNEL_LAYOUTS[form].layout(*weight)
+        return kernel.matmul_experts(x.contiguous(), stacked, groups, x.dtype, int8_planes or 2)
+    kernel = int4_matmul_kernel() if form > 0 else None
+    if kernel is None:
+        return None
+    x, block, y = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0], None
+    for packed, table in zip(weight, scales_zeros, strict=True):  # Q8_0's planes add up
+        y = kernel.matmul_experts(x, packed, table, form, block, groups, y, int8_planes)
+    return y
 
 
 def _moe_experts_packed(

@@ -479,6 +479,54 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
   }
 }
 
+// kiln_int4_mm for a step's experts in one call, each group's products bit for bit kiln_int4_mm's
+// on its rows alone: group g multiplies rows [starts[g], starts[g] + counts[g]) of x by expert
+// experts[g]'s plane (`packed` and `scales_zeros` the first expert's, each `strides` bytes from
+// one expert's to the next's) into the same rows of out [rows, n] (rows of no group: zeros, or
+// what out held with accumulate), every group's blocks in one parallel region.
+void kiln_int4_mm_experts(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
+                          const uint16_t* scales_zeros, int terms, const int64_t* strides,
+                          int64_t n, int64_t block, int64_t group, int64_t groups,
+                          const int64_t* experts, const int64_t* starts, const int64_t* counts,
+                          float* out, int accumulate, int threads, int int8_planes) {
+  const int64_t kgroups = k / group;
+  std::vector<float> sums(rows * kgroups, 0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t kk = 0; kk < k; ++kk) sums[m * kgroups + kk / group] += x[m * k + kk];
+  if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
+  const auto codes_of = [&](int64_t g) { return packed + experts[g] * strides[0]; };
+  const auto table_of = [&](int64_t g) {
+    const auto* bytes = reinterpret_cast<const uint8_t*>(scales_zeros) + experts[g] * strides[1];
+    return reinterpret_cast<const uint16_t*>(bytes);
+  };
+#ifdef KILN_INT8_ROWS
+  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
+    std::vector<kiln_int8_rows::QuantizedRows> quantized;
+    std::vector<Int8Problem> problems;
+    quantized.reserve(groups);
+    for (int64_t g = 0; g < groups; ++g) {
+      quantized.emplace_back(x + starts[g] * k, counts[g], k, int8_planes, threads);
+      problems.push_back({quantized[g].xq.data(), quantized[g].xscale.data(),
+                          sums.data() + starts[g] * kgroups, counts[g], k, codes_of(g),
+                          table_of(g), terms, n, group, out + starts[g] * n});
+    }
+    kiln_int8_rows::for_each_group_block(groups, n / block, threads, [&](int64_t g, int64_t b) {
+      int8_planes == 1 ? block_all_rows_int8<1>(problems[g], b)
+                       : block_all_rows_int8<2>(problems[g], b);
+    });
+    return;
+  }
+#endif
+  std::vector<Problem> problems;
+  for (int64_t g = 0; g < groups; ++g)
+    problems.push_back({x + starts[g] * k, counts[g], k, codes_of(g), table_of(g), terms, n,
+                        block, group, sums.data() + starts[g] * kgroups, out + starts[g] * n});
+  kiln_int8_rows::for_each_group_block(groups, n / block, threads, [&](int64_t g, int64_t b) {
+    if (!run_block(problems[g], b)) run_block_portable(problems[g], b);
+  });
+}
+
 // kiln_int4_mm over rows and an output of either type (dtype 0 float32, 1 bf16), converted
 // inside the call (kiln_bf16::in_float32)
 void kiln_int4_mm_cast(int x_dtype, const void* x, int64_t rows, int64_t k, const uint8_t* packed,
