@@ -283,12 +283,13 @@ def test_each_stack_takes_its_own_kernel(kinds, forms, without, kernels):
 
 
 @pytest.mark.parametrize("kind", ["Q6_K", "Q5_K", "Q4_K", "Q4_0", "Q4_K-int4", "Q8_0"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_one_call_for_a_steps_experts_equals_a_call_per_expert(kind, dtype):
     """The kernels' grouped entries (every active expert of a projection in one call; Q8_0's
     two planes one call each) give each group's rows exactly what the product of that expert
-    alone gives, in both dtypes and with the rows as float32 (int4 planes) or one or two int8
-    planes; rows of no group are zeros."""
+    alone gives, in each dtype (fp16 rows rounded as the single call rounds them) and with the
+    rows as float32 (int4 planes) or one or two int8 planes; rows of no group are zeros, and
+    groups that overlap are refused before the C code sees them."""
     from kiln.layers.expert_groups import ExpertGroups
     from kiln.layers.packed_experts import _expert_product, _one_call
 
@@ -308,6 +309,9 @@ def test_one_call_for_a_steps_experts_equals_a_call_per_expert(kind, dtype):
                                     2 * I, planes)  # fmt: skip
             assert torch.equal(got[start : start + count, : 2 * I].to(dtype), alone)
         assert not got[8].any()
+    overlapping = ExpertGroups(experts=[0, 2], starts=[0, 2], counts=[3, 5])
+    with pytest.raises(ValueError, match="do not fit"):
+        _one_call(rows, stack.planes(), stack.form, overlapping, 2)
 
 
 def test_a_q4_k_gate_beside_a_q4_0_up_share_int4_planes():

@@ -26,8 +26,17 @@ class ExpertGroups:
     starts: list[int]
     counts: list[int]
 
-    def arrays(self) -> tuple[int, Int64Array, Int64Array, Int64Array]:
-        """(groups, experts, starts, counts) as the C entry points take them."""
+    def arrays(self, rows: int, experts: int) -> tuple[int, Int64Array, Int64Array, Int64Array]:
+        """(groups, experts, starts, counts) as the C entry points take them, checked against a
+        step of `rows` rows and a stack of `experts` experts (the C code trusts them)."""
+        spans = sorted(zip(self.starts, self.counts, strict=True))
+        ends = [start + count for start, count in spans]
+        if any(not 0 <= e < experts for e in self.experts) or any(
+            start < 0 or count < 0 for start, count in spans
+        ) or (ends and ends[-1] > rows) or any(
+            spans[i + 1][0] < ends[i] for i in range(len(spans) - 1)
+        ):  # fmt: skip
+            raise ValueError(f"expert groups {self} do not fit {rows} rows and {experts} experts")
         return len(self.experts), *(_int64s(v) for v in (self.experts, self.starts, self.counts))
 
 

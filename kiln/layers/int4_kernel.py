@@ -71,10 +71,11 @@ class Int4MatmulKernel:
         accumulate = out is not None
         if out is None:
             out = torch.empty(r, n, dtype=torch.float32)
+        arrays = groups.arrays(rows.shape[0], packed.shape[0])
         self.library.kiln_int4_mm_experts(
             rows.data_ptr(), r, k, packed.data_ptr(), scales_zeros.data_ptr(),
             _table_width(scales_zeros[0]), expert_strides([packed, scales_zeros]), n, block_n,
-            group_size, *groups.arrays(), out.data_ptr(), int(accumulate),
+            group_size, *arrays, out.data_ptr(), int(accumulate),
             torch.get_num_threads(), int8_planes,
         )  # fmt: skip
         return out

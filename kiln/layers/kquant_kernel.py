@@ -67,9 +67,10 @@ class KQuantMatmulKernel:
         check_rows(rows, k, DTYPES)
         buffers = [stack.low, stack.high, stack.scales_mins, stack.d_dmin]
         out = torch.empty(rows.shape[0], n, dtype=dtype)
+        arrays = groups.arrays(rows.shape[0], stack.low.shape[0])
         self.library.kiln_kquant_mm_experts(
             DTYPES[rows.dtype], rows.data_ptr(), rows.shape[0], k, stack.bits,
-            *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *groups.arrays(),
+            *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *arrays,
             DTYPES[dtype], out.data_ptr(), int8_planes, torch.get_num_threads(),
         )  # fmt: skip
         return out

@@ -365,7 +365,7 @@ def _one_call(
     x, block, y = rows.float().contiguous(), cpu_block_n() or CPU_BLOCKS[0], None
     for packed, table in zip(weight, scales_zeros, strict=True):  # Q8_0's planes add up
         y = kernel.matmul_experts(x, packed, table, form, block, groups, y, int8_planes)
-    return y
+    return y if rows.dtype in CAST_DTYPES else y.to(torch.bfloat16)  # int4_matmul's rounding
 
 
 def _moe_experts_packed(

@@ -415,6 +415,18 @@ void dequantize_t(const uint8_t* packed, const uint16_t* scales_zeros, int64_t t
   }
 }
 
+// Each row's float32 sum over each group of `group` columns, [rows, k / group]: the zero term's
+// factor
+std::vector<float> group_sums(const float* x, int64_t rows, int64_t k, int64_t group,
+                              int threads) {
+  const int64_t groups = k / group;
+  std::vector<float> sums(rows * groups, 0.0f);
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
+  for (int64_t m = 0; m < rows; ++m)
+    for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
+  return sums;
+}
+
 }  // namespace
 
 extern "C" {
@@ -447,11 +459,7 @@ int kiln_int4_mm_int8_rows() {
 void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
                   const uint16_t* scales_zeros, int terms, int64_t n, int64_t block,
                   int64_t group, float* out, int accumulate, int threads, int int8_planes) {
-  const int64_t groups = k / group;
-  std::vector<float> sums(rows * groups, 0.0f);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t kk = 0; kk < k; ++kk) sums[m * groups + kk / group] += x[m * k + kk];
+  const std::vector<float> sums = group_sums(x, rows, k, group, threads);
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
 #ifdef KILN_INT8_ROWS
   if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
@@ -490,10 +498,7 @@ void kiln_int4_mm_experts(const float* x, int64_t rows, int64_t k, const uint8_t
                           const int64_t* experts, const int64_t* starts, const int64_t* counts,
                           float* out, int accumulate, int threads, int int8_planes) {
   const int64_t kgroups = k / group;
-  std::vector<float> sums(rows * kgroups, 0.0f);
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= 16)
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t kk = 0; kk < k; ++kk) sums[m * kgroups + kk / group] += x[m * k + kk];
+  const std::vector<float> sums = group_sums(x, rows, k, group, threads);
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
   const auto codes_of = [&](int64_t g) { return packed + experts[g] * strides[0]; };
   const auto table_of = [&](int64_t g) {

@@ -74,7 +74,10 @@ void for_each_block(int64_t blocks, int threads, RunBlock run_block) {
 
 // `run_block(g, b)` for block b of product g's output columns, for `groups` products of
 // `blocks` blocks each (a step's experts): one parallel region for all of them, where a call
-// per product would fork and join its threads once each
+// per product would fork and join its threads once each. Items run product by product: a
+// thread's share is runs of consecutive blocks of one weight, streams the prefetchers follow
+// (interleaving the products block by block, which balances unequal row counts, ran a
+// Qwen3-30B-A3B expert block 1.09-1.16x slower at 1 to 16 tokens).
 template <typename RunBlock>
 void for_each_group_block(int64_t groups, int64_t blocks, int threads, RunBlock run_block) {
 #pragma omp parallel for num_threads(threads) schedule(static)

@@ -261,7 +261,8 @@ struct Weight {
   // the next's
   Weight expert(int64_t e, const int64_t* strides) const {
     const auto* dd = reinterpret_cast<const uint8_t*>(d_dmin) + e * strides[3];
-    return {low + e * strides[0], high + e * strides[1], scales_mins + e * strides[2],
+    const uint8_t* top = bits == 5 ? high + e * strides[1] : high;  // Q4_K's is empty
+    return {low + e * strides[0], top, scales_mins + e * strides[2],
             reinterpret_cast<const float*>(dd), n, bits};
   }
 };
