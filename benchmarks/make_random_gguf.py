@@ -9,6 +9,8 @@ file of that size is on the machine: kiln and llama.cpp both load it.
         --hf-dir /tmp/q3-hf   # the long-context model (40,960 positions), also as an HF directory
     python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_0 \
         --out /tmp/moe.gguf   # 4 of Qwen3-30B-A3B's mixture-of-experts layers (qwen3moe)
+    python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b --type Q4_K_M \
+        --out /tmp/q3-30b-km.gguf   # all 48 of its layers: 17.1 GiB
 
 `Q4_K_M` and `Q5_K_M` mix types as llama.cpp's recipes do: Q6_K for the tied embedding (the
 head), and for attn_v and ffn_down (a mixture-of-experts file's down experts too) in the layers
@@ -49,6 +51,11 @@ SHAPES = {
                                    heads=32, kv_heads=4, head_dim=128, vocab=151936,
                                    theta=1000000.0, context=40960, qk_norm=True, eps=1e-6,
                                    experts=128, top_k=8, expert_intermediate=768),
+    # the whole model: 48 layers (a Q4_K_M file of it: 17.1 GiB)
+    "qwen3-30b-a3b": dict(arch="qwen3moe", layers=48, hidden=2048, intermediate=6144, heads=32,
+                          kv_heads=4, head_dim=128, vocab=151936, theta=1000000.0,
+                          context=40960, qk_norm=True, eps=1e-6, experts=128, top_k=8,
+                          expert_intermediate=768),
 }  # fmt: skip
 T = gguf.GGMLQuantizationType
 TARGET_STD = 0.02
@@ -169,7 +176,8 @@ def _metadata(w: gguf.GGUFWriter, s: dict) -> None:
 
 def write(shape: str, kind: str, out: str, seed: int = 0) -> None:
     s, rng = SHAPES[shape], np.random.default_rng(seed)
-    w = gguf.GGUFWriter(out, s.get("arch", "llama"))
+    # tensors spooled to a temporary file as they are made: a 48-layer MoE file is 18 GB
+    w = gguf.GGUFWriter(out, s.get("arch", "llama"), use_temp_file=True)
     w.add_name(f"random {shape} {kind}")
     _metadata(w, s)
     control = _copy_tokenizer(w, s["vocab"])
