@@ -91,3 +91,20 @@ def test_config_errors():
     with pytest.raises(ConfigError, match="memory size"):
         parse_bytes("lots")
     assert parse_bytes("2GiB") == 2 * 2**30
+
+
+@pytest.mark.parametrize(
+    "name", ["quantization", "prefill_weights", "cpu_linears", "packed_activations",
+             "eager_step_padding", "attention_backend"],
+)  # fmt: skip
+def test_option_outside_its_choices_is_refused(name):
+    """The Python API and profiles are held to the choices argparse holds the flags to: a
+    misspelt value (quantization="packed") once fell through to dequantizing every weight."""
+    from dataclasses import fields
+
+    from kiln.config.engine import EngineConfig
+
+    (meta,) = [f.metadata["option"] for f in fields(EngineConfig) if f.name == name]
+    with pytest.raises(ConfigError, match=f"{name} must be one of {', '.join(meta['choices'])}"):
+        EngineConfig(**{name: "packd"})
+    EngineConfig(**{name: meta["choices"][-1]})  # every listed choice is still taken

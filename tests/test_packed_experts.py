@@ -291,7 +291,7 @@ def test_one_call_for_a_steps_experts_equals_a_call_per_expert(kind, dtype):
     rows as float32 (int4 planes) or one or two int8 planes; rows of no group are zeros, and
     groups that overlap are refused before the C code sees them."""
     from kiln.layers.expert_groups import ExpertGroups
-    from kiln.layers.packed_experts import _expert_product, _one_call
+    from kiln.layers.packed_experts_op import _expert_product, _one_call
 
     form = _kernel_form(kind)
     runs = _kernel_runs(form) if form is not None else int4_matmul_kernel() is not None

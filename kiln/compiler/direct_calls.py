@@ -35,7 +35,7 @@ def _ops() -> dict[torch._ops.OpOverload, Callable]:
     from kiln.layers.gated_deltanet import _gdn_core
     from kiln.layers.moe import _moe_experts
     from kiln.layers.packed import _int4_or_dense_mm, int4_matmul
-    from kiln.layers.packed_experts import _moe_experts_packed
+    from kiln.layers.packed_experts_op import _moe_experts_packed
     from kiln.layers.packed_kquant import kquant_matmul
     from kiln.layers.packed_q6k import q6k_matmul
 

@@ -6,7 +6,7 @@ a new option is added here, once. Nothing here imports torch."""
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from kiln.config.compilation import CompilationConfig
@@ -55,6 +55,17 @@ def option(
     `flags`). A bool option is a switch, `--[no-]name` when `negatable`."""
     meta = {"kind": kind, "help": help, "negatable": negatable, "profile": profile, **cli}
     return {"option": meta}
+
+
+def _check_choices(config: Any) -> None:
+    """Every option with `choices` holds one of them. argparse checks the command line; this
+    checks the Python API and profiles, where a misspelt value would otherwise fall through to
+    a default branch silently."""
+    for f in fields(config):
+        choices = f.metadata.get("option", {}).get("choices")
+        value = getattr(config, f.name)
+        if choices is not None and value not in choices:
+            raise ConfigError(f"{f.name} must be one of {', '.join(choices)}; got {value!r}")
 
 
 # Tokens per KV block when none is given. The CPU's attention kernels read each request's blocks
@@ -338,6 +349,7 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        _check_choices(self)
         if not isinstance(self.speculative, (SpeculativeConfig, type(None))):
             object.__setattr__(self, "speculative", SpeculativeConfig.from_json(self.speculative))
         if self.dtype not in DTYPES:

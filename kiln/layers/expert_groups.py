@@ -50,3 +50,91 @@ def check_rows(rows: torch.Tensor, k: int, dtypes) -> None:
     if rows.shape[-1] != k or not rows.is_contiguous() or rows.dtype not in dtypes:
         raise ValueError(f"contiguous float32 or bf16 rows of {k} columns, not "
                          f"{rows.dtype} {tuple(rows.shape)}")  # fmt: skip
+
+
+ROUTE_DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the rows', weights' and output's codes
+
+
+def declare_route_entries(library: ctypes.CDLL) -> None:
+    """The argument types of `csrc/moe_route.h`'s entries, which every packed-weight kernel's
+    library exports."""
+    i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
+    library.kiln_moe_route.restype = i64
+    library.kiln_moe_route.argtypes = [ptr, i64, i64, i64, flag, ptr, i64, ptr, ptr, ptr]
+    library.kiln_moe_silu_mul.restype = None
+    library.kiln_moe_silu_mul.argtypes = [ptr, i64, i64, i64, ptr]
+    library.kiln_moe_combine.restype = None
+    library.kiln_moe_combine.argtypes = [ptr, i64, i64, i64, ptr, i64, flag, ptr, flag, ptr]
+
+
+@dataclass(frozen=True)
+class RoutedRows:
+    """A step's routed rows as a kernel library sorted them (`kiln_moe_route`): `rows` float32
+    [R, K], sorted row r being token order[r] // top_k's; the groups, in the form the grouped
+    entry points take (`arrays`), lie in `groups` [3 * active] (experts, starts, counts)."""
+
+    rows: torch.Tensor
+    order: torch.Tensor
+    groups: torch.Tensor
+    active: int
+    num_experts: int
+    top_k: int
+
+    def arrays(self, rows: int, experts: int) -> tuple[int, int, int, int]:
+        """ExpertGroups.arrays for these groups (checked by the C routing as it made them)."""
+        if rows != self.rows.shape[0] or experts != self.num_experts:
+            raise ValueError(f"{self.rows.shape[0]} rows routed over {self.num_experts} experts, "
+                             f"not {rows} over {experts}")  # fmt: skip
+        start = self.groups.data_ptr()
+        return self.active, start, start + 8 * self.active, start + 16 * self.active
+
+
+def route_rows(
+    library: ctypes.CDLL, x: torch.Tensor, ids: torch.Tensor, num_experts: int
+) -> RoutedRows:
+    """x [tokens, K] (float32 or bf16) routed by ids [tokens, top_k]: the rows sorted by expert
+    (stable) and gathered as float32."""
+    ids = ids.to(torch.int64).contiguous()
+    x = x.contiguous()
+    count, k = ids.numel(), x.shape[-1]
+    order = torch.empty(count, dtype=torch.int64)
+    groups = torch.empty(3 * count, dtype=torch.int64)
+    rows = torch.empty(count, k, dtype=torch.float32)
+    active = library.kiln_moe_route(
+        ids.data_ptr(), count, ids.shape[-1], num_experts, ROUTE_DTYPES[x.dtype], x.data_ptr(),
+        k, order.data_ptr(), groups.data_ptr(), rows.data_ptr(),
+    )  # fmt: skip
+    if active < 0:
+        raise ValueError(f"an expert id outside [0, {num_experts}) in {ids.tolist()}")
+    return RoutedRows(rows, order, groups, active, num_experts, ids.shape[-1])
+
+
+def silu_mul(library: ctypes.CDLL, h: torch.Tensor, width: int) -> torch.Tensor:
+    """float32 [R, width]: silu(gate) * up of h [R, >= 2 width] (float32, contiguous), gate its
+    first `width` columns, up the next."""
+    if h.dtype != torch.float32 or not h.is_contiguous() or h.shape[-1] < 2 * width:
+        raise ValueError(f"contiguous float32 [R, >= {2 * width}] sums, not {h.dtype} "
+                         f"{tuple(h.shape)}")  # fmt: skip
+    act = torch.empty(h.shape[0], width, dtype=torch.float32)
+    library.kiln_moe_silu_mul(h.data_ptr(), h.shape[0], h.shape[-1], width, act.data_ptr())
+    return act
+
+
+def combine_rows(
+    library: ctypes.CDLL, y: torch.Tensor, routed: RoutedRows, weights: torch.Tensor, width: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # fmt: skip
+    """[tokens, width] in `dtype` (float32 or bf16): each token's routed rows of y [R, >= width]
+    (float32, sorted as `routed`) times their weights [tokens, top_k], summed in float32."""
+    if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[0] != routed.rows.shape[0]:
+        raise ValueError(f"contiguous float32 [{routed.rows.shape[0]}, N] products, not "
+                         f"{y.dtype} {tuple(y.shape)}")  # fmt: skip
+    if weights.numel() != y.shape[0]:
+        raise ValueError(f"{weights.numel()} routing weights for {y.shape[0]} routed rows")
+    weights = weights.contiguous() if weights.dtype in ROUTE_DTYPES else weights.float()
+    out = torch.empty(y.shape[0] // routed.top_k, width, dtype=dtype)
+    library.kiln_moe_combine(
+        y.data_ptr(), y.shape[0], y.shape[-1], width, routed.order.data_ptr(), routed.top_k,
+        ROUTE_DTYPES[weights.dtype], weights.data_ptr(), ROUTE_DTYPES[dtype], out.data_ptr(),
+    )  # fmt: skip
+    return out

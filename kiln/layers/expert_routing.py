@@ -1,7 +1,8 @@
 """Routing a step's rows to experts: the rows sorted by expert (so a step runs one product per
 active expert, never one per token) and their outputs combined back per token with the router's
 weights. Shared by the dense experts (kiln/layers/moe.py) and the packed ones
-(kiln/layers/packed_experts.py)."""
+(kiln/layers/packed_experts_op.py, for steps of many rows; a decode step's packed experts are
+routed in the kernels' C code, csrc/moe_route.h)."""
 
 from __future__ import annotations
 

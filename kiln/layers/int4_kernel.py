@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack, table_terms
-from kiln.layers.expert_groups import ExpertGroups, expert_strides
+from kiln.layers.expert_groups import ExpertGroups, declare_route_entries, expert_strides
 from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
@@ -211,6 +211,7 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     library.kiln_int4_dequantize_t.restype = None
     library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, flag, i64, i64, i64, i64, flag, ptr, flag]
     int8_rows = library.kiln_int4_mm_int8_rows() == 1
+    declare_route_entries(library)
     return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_rows)
 
 

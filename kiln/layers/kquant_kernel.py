@@ -15,7 +15,12 @@ from pathlib import Path
 
 import torch
 
-from kiln.layers.expert_groups import ExpertGroups, check_rows, expert_strides
+from kiln.layers.expert_groups import (
+    ExpertGroups,
+    check_rows,
+    declare_route_entries,
+    expert_strides,
+)
 from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.kquant_layout import KQuantCodes, KQuantPacked, kquant_dequantize, pack_kquant
 from kiln.native import FLAGS, built_library, checked_kernel
@@ -149,4 +154,5 @@ def load_kquant_matmul(flags: tuple[str, ...]) -> KQuantMatmulKernel:
                                                ptr, ptr, ptr, flag, ptr, flag, flag]  # fmt: skip
     library.kiln_kquant_dequantize_t.restype = None
     library.kiln_kquant_dequantize_t.argtypes = [flag, *[ptr] * 4, i64, i64, flag, ptr, flag]
+    declare_route_entries(library)
     return KQuantMatmulKernel(library, library.kiln_kquant_vectorized() == 1)

@@ -8,8 +8,9 @@ The routed rows are sorted by expert, so a step runs one matmul per active exper
 per token. That product is one custom op, `kiln::moe_experts`, which Dynamo does not trace
 into: its grouping is data-dependent, and the graph around it stays one compiled piece.
 Quantized experts stay packed per stack (kiln/layers/packed_experts.py) and run through
-`kiln::moe_experts_packed`: on the CPU the same loop over the packed matrices, on CUDA one
-grouped Triton launch per projection."""
+`kiln::moe_experts_packed` (kiln/layers/packed_experts_op.py): on the CPU one kernel call per
+projection for a step's experts, with a decode step's routing in the kernel's C code; on CUDA
+one grouped Triton launch per projection."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kiln.errors import ModelLoadError
+from kiln.layers import packed_experts_op
 from kiln.layers.expert_routing import combine, experts_loop, sorted_by_expert
 from kiln.layers.linear import Linear
 from kiln.layers.mlp import SwiGLU
@@ -169,7 +171,11 @@ class FusedExperts(nn.Module):
         gate_up, gate_up_sz, gate_up_form = self._operand("gate_up_proj")
         down, down_sz, down_form = self._operand("down_proj")
         int8_planes = max(m.int8_planes for m in self.packed.values())  # one policy for all
-        return torch.ops.kiln.moe_experts_packed(
+        # eager: the implementation itself, where the dispatcher's unboxing of four tensor lists
+        # cost ~40-90 us a layer of a Qwen3-30B-A3B decode step
+        experts = (torch.ops.kiln.moe_experts_packed if torch.compiler.is_compiling()
+                   else packed_experts_op._moe_experts_packed)  # fmt: skip
+        return experts(
             x, gate_up, gate_up_sz, down, down_sz, [gate_up_form, down_form],
             self.intermediate, ids, weights, int8_planes,
         )  # fmt: skip

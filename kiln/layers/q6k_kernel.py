@@ -14,7 +14,12 @@ from pathlib import Path
 
 import torch
 
-from kiln.layers.expert_groups import ExpertGroups, check_rows, expert_strides
+from kiln.layers.expert_groups import (
+    ExpertGroups,
+    check_rows,
+    declare_route_entries,
+    expert_strides,
+)
 from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 from kiln.native import FLAGS, built_library, checked_kernel
@@ -135,4 +140,5 @@ def load_q6k_matmul(flags: tuple[str, ...]) -> Q6KMatmulKernel:
                                             ptr, flag, ptr, flag, flag]  # fmt: skip
     library.kiln_q6k_dequantize_t.restype = None
     library.kiln_q6k_dequantize_t.argtypes = [ptr, ptr, ptr, ptr, i64, i64, flag, ptr, flag]
+    declare_route_entries(library)
     return Q6KMatmulKernel(library, library.kiln_q6k_vectorized() == 1)

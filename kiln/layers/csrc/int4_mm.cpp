@@ -27,6 +27,7 @@
 
 #include "bf16.h"
 #include "int8_rows.h"
+#include "moe_route.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif

@@ -34,6 +34,7 @@
 
 #include "bf16.h"
 #include "int8_rows.h"
+#include "moe_route.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
