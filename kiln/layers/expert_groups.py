@@ -94,6 +94,11 @@ def route_rows(
 ) -> RoutedRows:
     """x [tokens, K] (float32 or bf16) routed by ids [tokens, top_k]: the rows sorted by expert
     (stable) and gathered as float32."""
+    if ids.dim() != 2 or ids.shape[0] != x.shape[0] or x.dim() != 2 or num_experts <= 0:
+        raise ValueError(
+            f"ids [tokens, top_k] for x [tokens, K] over some experts, not ids "
+            f"{tuple(ids.shape)}, x {tuple(x.shape)}, {num_experts} experts"
+        )
     ids = ids.to(torch.int64).contiguous()
     x = x.contiguous()
     count, k = ids.numel(), x.shape[-1]
@@ -129,9 +134,12 @@ def combine_rows(
     if y.dtype != torch.float32 or not y.is_contiguous() or y.shape[0] != routed.rows.shape[0]:
         raise ValueError(f"contiguous float32 [{routed.rows.shape[0]}, N] products, not "
                          f"{y.dtype} {tuple(y.shape)}")  # fmt: skip
-    if weights.numel() != y.shape[0]:
-        raise ValueError(f"{weights.numel()} routing weights for {y.shape[0]} routed rows")
-    weights = weights.contiguous() if weights.dtype in ROUTE_DTYPES else weights.float()
+    if weights.numel() != y.shape[0] or width > y.shape[-1]:
+        raise ValueError(f"{weights.numel()} routing weights for {y.shape[0]} routed rows, "
+                         f"{width} of {y.shape[-1]} columns")  # fmt: skip
+    if weights.dtype not in ROUTE_DTYPES:
+        weights = weights.float()
+    weights = weights.contiguous()
     out = torch.empty(y.shape[0] // routed.top_k, width, dtype=dtype)
     library.kiln_moe_combine(
         y.data_ptr(), y.shape[0], y.shape[-1], width, routed.order.data_ptr(), routed.top_k,

@@ -15,7 +15,12 @@ from pathlib import Path
 import torch
 
 from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack, table_terms
-from kiln.layers.expert_groups import ExpertGroups, declare_route_entries, expert_strides
+from kiln.layers.expert_groups import (
+    ExpertGroups,
+    RoutedRows,
+    declare_route_entries,
+    expert_strides,
+)
 from kiln.native import FLAGS, built_library, checked_kernel
 
 SOURCE = Path(__file__).parent / "csrc" / "int4_mm.cpp"
@@ -57,8 +62,8 @@ class Int4MatmulKernel:
 
     def matmul_experts(
         self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
-        group_size: int, block_n: int, groups: ExpertGroups, out: torch.Tensor | None = None,
-        int8_planes: int = 0,
+        group_size: int, block_n: int, groups: ExpertGroups | RoutedRows,
+        out: torch.Tensor | None = None, int8_planes: int = 0,
     ) -> torch.Tensor:  # fmt: skip
         """`matmul` for a step's experts in one call: float32 rows [R, K] sorted by expert,
         `packed` and `scales_zeros` one plane of every expert (a leading expert dimension) ->

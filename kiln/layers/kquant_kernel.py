@@ -17,6 +17,7 @@ import torch
 
 from kiln.layers.expert_groups import (
     ExpertGroups,
+    RoutedRows,
     check_rows,
     declare_route_entries,
     expert_strides,
@@ -62,8 +63,8 @@ class KQuantMatmulKernel:
         return out
 
     def matmul_experts(
-        self, rows: torch.Tensor, stack: KQuantPacked, groups: ExpertGroups, dtype: torch.dtype,
-        int8_planes: int = 2,
+        self, rows: torch.Tensor, stack: KQuantPacked, groups: ExpertGroups | RoutedRows,
+        dtype: torch.dtype, int8_planes: int = 2,
     ) -> torch.Tensor:  # fmt: skip
         """`matmul` for a step's experts in one call: rows [R, K] sorted by expert, `stack` the
         experts' weights (each buffer with a leading expert dimension) -> [R, N padded] in

@@ -172,8 +172,10 @@ class FusedExperts(nn.Module):
         down, down_sz, down_form = self._operand("down_proj")
         int8_planes = max(m.int8_planes for m in self.packed.values())  # one policy for all
         # eager: the implementation itself, where the dispatcher's unboxing of four tensor lists
-        # cost ~40-90 us a layer of a Qwen3-30B-A3B decode step
-        experts = (torch.ops.kiln.moe_experts_packed if torch.compiler.is_compiling()
+        # cost ~40-90 us a layer of a Qwen3-30B-A3B decode step; the op while tracing, and while
+        # the profiler records, so a profile names it (benchmarks/decode_step.py)
+        through_op = torch.compiler.is_compiling() or torch.autograd._profiler_enabled()
+        experts = (torch.ops.kiln.moe_experts_packed if through_op
                    else packed_experts_op._moe_experts_packed)  # fmt: skip
         return experts(
             x, gate_up, gate_up_sz, down, down_sz, [gate_up_form, down_form],

@@ -171,7 +171,7 @@ def _few_rows_step(
 ) -> torch.Tensor | None:  # fmt: skip
     """The step through the kernel library alone (see the module's docstring), or None where
     it does not take it: many rows, a row dtype it does not read, a stack no kernel runs."""
-    if ids.numel() >= DEQUANT_MIN_ROWS or x.dtype not in ROUTE_DTYPES:
+    if not 0 < ids.numel() < DEQUANT_MIN_ROWS or x.dtype not in ROUTE_DTYPES:
         return None
     library = _route_library(forms)
     if library is None:

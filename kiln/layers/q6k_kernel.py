@@ -16,6 +16,7 @@ import torch
 
 from kiln.layers.expert_groups import (
     ExpertGroups,
+    RoutedRows,
     check_rows,
     declare_route_entries,
     expert_strides,
@@ -58,8 +59,8 @@ class Q6KMatmulKernel:
         return out
 
     def matmul_experts(
-        self, rows: torch.Tensor, stack: Q6KPacked, groups: ExpertGroups, dtype: torch.dtype,
-        int8_planes: int = 2,
+        self, rows: torch.Tensor, stack: Q6KPacked, groups: ExpertGroups | RoutedRows,
+        dtype: torch.dtype, int8_planes: int = 2,
     ) -> torch.Tensor:  # fmt: skip
         """`matmul` for a step's experts in one call: rows [R, K] sorted by expert, `stack` the
         experts' weights (each buffer with a leading expert dimension) -> [R, N padded] in

@@ -24,9 +24,10 @@ namespace kiln_moe {
 // sort, as argsort(stable=True) orders them): order [R] the flat index of each sorted row, and
 // the groups (experts, starts, counts [groups]) of the active experts in expert order. `groups`
 // points at 3 * R int64s. Returns the number of groups, or -1 where an id is outside
-// [0, num_experts) (nothing else is written then).
+// [0, num_experts) or there is nothing to route (nothing else is written then).
 inline int64_t route(const int64_t* ids, int64_t rows, int64_t num_experts, int64_t* order,
                      int64_t* groups) {
+  if (rows <= 0 || num_experts <= 0) return -1;  // (the callers check; nothing to sort)
   std::vector<int64_t> count(num_experts, 0);
   for (int64_t r = 0; r < rows; ++r) {
     if (ids[r] < 0 || ids[r] >= num_experts) return -1;
@@ -80,10 +81,9 @@ inline void silu_mul(const float* h, int64_t rows, int64_t stride, int64_t width
   }
 }
 
-// out [R / top_k tokens, width] (dtype 0 float32, 1 bf16) = for each token, the sum over its routed rows
-// of weight x y's row (y [R, stride] sorted by expert, weights [tokens, top_k], w_dtype 0
-// float32, 1 bf16), in
-// float32 and rounded once; a token's rows are added in sorted order
+// out [R / top_k tokens, width] (dtype 0 float32, 1 bf16): each token's routed rows of y
+// [R, stride] (sorted by expert) times their weights (weights [tokens, top_k], w_dtype 0 float32,
+// 1 bf16), summed in float32 in sorted order and rounded once
 inline void combine(const float* y, int64_t rows, int64_t stride, int64_t width,
                     const int64_t* order, int64_t top_k, int w_dtype, const void* weights,
                     int out_dtype, void* out) {
