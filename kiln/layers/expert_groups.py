@@ -6,6 +6,7 @@ quantization and OpenMP fork and join (about 9 us on two threads before any weig
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -144,5 +145,26 @@ def combine_rows(
     library.kiln_moe_combine(
         y.data_ptr(), y.shape[0], y.shape[-1], width, routed.order.data_ptr(), routed.top_k,
         ROUTE_DTYPES[weights.dtype], weights.data_ptr(), ROUTE_DTYPES[dtype], out.data_ptr(),
+    )  # fmt: skip
+    return out
+
+
+def grouped_product(
+    entry: Callable[..., None], rows: torch.Tensor, k: int, settings: tuple[int, ...],
+    buffers: list[torch.Tensor], n: int, groups: ExpertGroups | RoutedRows, dtype: torch.dtype,
+    int8_planes: int,
+) -> torch.Tensor:  # fmt: skip
+    """A call of a kernel's grouped entry point (`kiln_q6k_mm_experts`, `kiln_kquant_mm_experts`):
+    rows [R, k] (float32 or bf16, sorted by expert) times the experts of `buffers` (the layout's,
+    each with a leading expert dimension) -> [R, n] in `dtype`, group g's rows times expert
+    experts[g] (rows of no group: zeros). `settings` are the entry's arguments between k and
+    the buffers (the K-quant kernel's bits)."""
+    check_rows(rows, k, ROUTE_DTYPES)
+    out = torch.empty(rows.shape[0], n, dtype=dtype)
+    arrays = groups.arrays(rows.shape[0], buffers[0].shape[0])
+    entry(
+        ROUTE_DTYPES[rows.dtype], rows.data_ptr(), rows.shape[0], k, *settings,
+        *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *arrays,
+        ROUTE_DTYPES[dtype], out.data_ptr(), int8_planes, torch.get_num_threads(),
     )  # fmt: skip
     return out

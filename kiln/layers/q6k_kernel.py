@@ -17,9 +17,8 @@ import torch
 from kiln.layers.expert_groups import (
     ExpertGroups,
     RoutedRows,
-    check_rows,
     declare_route_entries,
-    expert_strides,
+    grouped_product,
 )
 from kiln.layers.int4_kernel import CAST_DTYPES, quantized_rows
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
@@ -65,17 +64,11 @@ class Q6KMatmulKernel:
         """`matmul` for a step's experts in one call: rows [R, K] sorted by expert, `stack` the
         experts' weights (each buffer with a leading expert dimension) -> [R, N padded] in
         `dtype`, group g's rows times expert experts[g] (rows of no group: zeros)."""
-        k, n = stack.low.shape[2] * 2, stack.sub_scales.shape[2]
-        check_rows(rows, k, DTYPES)
         buffers = [stack.low, stack.high, stack.sub_scales, stack.d]
-        out = torch.empty(rows.shape[0], n, dtype=dtype)
-        arrays = groups.arrays(rows.shape[0], stack.low.shape[0])
-        self.library.kiln_q6k_mm_experts(
-            DTYPES[rows.dtype], rows.data_ptr(), rows.shape[0], k,
-            *(b.data_ptr() for b in buffers), expert_strides(buffers), n, *arrays,
-            DTYPES[dtype], out.data_ptr(), int8_planes, torch.get_num_threads(),
+        return grouped_product(
+            self.library.kiln_q6k_mm_experts, rows, stack.low.shape[2] * 2, (), buffers,
+            stack.sub_scales.shape[2], groups, dtype, int8_planes,
         )  # fmt: skip
-        return out
 
     def dequantize_t(self, w: Q6KPacked, dtype: torch.dtype) -> torch.Tensor:
         """W^T [K, N padded] in `dtype` (float32 or bf16): exact in float32, rounded once to
