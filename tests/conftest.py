@@ -344,3 +344,30 @@ def mtp_models(tiny_models, tmp_path_factory) -> dict[str, str]:
 
     names = ("qwen3_next", "qwen3_5")
     return {name: add_mtp_head(tiny_models[name], str(root / name)) for name in names}
+
+
+@pytest.fixture(params=["native", "avx2"])
+def kernel_build(request, monkeypatch):
+    """kiln's packed-weight kernels as this CPU builds them (native), or as a CPU with AVX2 and
+    FMA but no AVX-512 builds them (avx2: -mavx2 -mfma for -march=native, where this CPU has
+    both): the engine then runs the Q6_K and K-quant kernels' AVX2 paths and the int4 kernel's
+    float rows."""
+    from kiln import native
+    from kiln.layers import int4_kernel, kquant_kernel, q6k_kernel
+
+    if request.param == "native":
+        yield request.param
+        return
+    if not {"avx2", "fma"} <= set(native.cpu_flags().split()):
+        pytest.skip("this CPU has no AVX2 with FMA")
+    flags = (*(f for f in native.FLAGS if f != "-march=native"), "-mavx2", "-mfma")
+    factories = [int4_kernel.int4_matmul_kernel, kquant_kernel.kquant_matmul_kernel,
+                 q6k_kernel.q6k_matmul_kernel]  # fmt: skip
+    for module in (int4_kernel, kquant_kernel, q6k_kernel):
+        monkeypatch.setattr(module, "FLAGS", flags)
+    for factory in factories:
+        factory.cache_clear()
+    yield request.param
+    monkeypatch.undo()
+    for factory in factories:
+        factory.cache_clear()

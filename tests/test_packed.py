@@ -238,13 +238,15 @@ def test_packed_gguf_model_matches_hf_on_the_dequantized_weights(tiny_models, pa
     torch.testing.assert_close(dense, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
 
 
-def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(k_quant_mix_gguf, tokenizer_dir):
+def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(
+    k_quant_mix_gguf, tokenizer_dir, kernel_build
+):
     """As llama.cpp's Q4_K_M and Q5_K_M files carry them, Q6_K tensors (here the MLP's down
     projection, v, the embedding and the head of a Llama with 256 hidden units) beside Q4_K (q,
     k, o) and Q5_K (gate and up) ones: all stay packed on kiln's Q6_K and K-quant kernels where
-    this CPU runs them (else Q4_K becomes int4 planes and the rest is dequantized at load);
-    kiln's logits against HF transformers on the same values dequantized by the gguf package,
-    within a few bf16 ulps, and the same greedy picks."""
+    this CPU runs them (else Q4_K becomes int4 planes and the rest is dequantized at load), on
+    this CPU's build and on the AVX2 one; kiln's logits against HF transformers on the same
+    values dequantized by the gguf package, within a few bf16 ulps, and the same greedy picks."""
     from tests.conftest import k_quant_mix_kind, k_quant_mix_llama
     from tests.gguf_files import quantize
 
@@ -259,6 +261,7 @@ def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(k_quant_mix_gguf, tokenize
     # without (both need the same CPU), the qkv, gate_up and down dequantized
     kernels = q6k_matmul_kernel() is not None
     assert (kquant_matmul_kernel() is not None) == kernels
+    assert kernel_build == "native" or q6k_matmul_kernel().isa == 1
     ours, tokens = _greedy_logits(k_quant_mix_gguf, "auto", prompt, tokenizer_dir,
                                   packed_layers=2 * 6 + 2 if kernels else 2 * 1)  # fmt: skip
     with torch.no_grad():

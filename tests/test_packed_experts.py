@@ -75,7 +75,7 @@ def _kernel_runs(form: int) -> bool:
 @pytest.fixture(params=[True, False], ids=["kernels", "no-kernels"])
 def kernels(request, monkeypatch) -> bool:
     """Whether kiln's Q6_K and K-quant kernels run: as this CPU has them, or (False) as on a
-    CPU without AVX512-VNNI and VBMI, where the loader's checks find no kernel."""
+    CPU without AVX2 or a compiler, where the loader's checks find no kernel."""
     import kiln.layers.packed as packed
 
     if not request.param:
@@ -127,9 +127,10 @@ def _routing(tokens: int, seed: int = 1):
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K-int4", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 5, 600])  # 600: the dense path for expert 0
-def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
+def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens, kernel_build):
     """int4 planes, and Q6_K, Q5_K and Q4_K on kiln's own kernels (exact codes, the rows as two
-    int8 planes) where this CPU runs them (test_without_the_kernels_... below: where not)."""
+    int8 planes) where this CPU runs them (test_without_the_kernels_... below: where not), built
+    for this CPU and for AVX2 without AVX-512 (`kernel_build`)."""
     experts, gate_up, down = _experts([kind] * E)
     _assert_stacks(experts, kind, _kernel_form(kind) is None or _kernel_runs(_kernel_form(kind)))
     x, ids, weights = _routing(tokens)
@@ -144,8 +145,9 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens):
 
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K", "Q6_K"])
 def test_without_the_kernels_q4_k_experts_are_int4_planes_and_the_rest_dense(kind, monkeypatch):
-    """On a CPU without AVX512-VNNI and VBMI: Q4_K experts become int4 planes, Q6_K and Q5_K
-    ones are dequantized, saying why; the product is the same within the planes' bf16 scales."""
+    """Where the Q6_K and K-quant kernels do not run (no AVX2, no compiler): Q4_K experts become
+    int4 planes, Q6_K and Q5_K ones are dequantized, saying why; the product is the same within
+    the planes' bf16 scales."""
     import kiln.layers.packed as packed
 
     monkeypatch.setattr(packed, "q6k_matmul_kernel", lambda: None)
@@ -166,7 +168,7 @@ def _assert_stacks(experts, kind: str, kernels: bool) -> None:
     if not kernels and kind == "Q4_K":
         assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [32] * 2
     elif not kernels:
-        assert not experts.packed and "AVX512-VNNI" in experts.fallback_reasons["down_proj"]
+        assert not experts.packed and "AVX2 with FMA" in experts.fallback_reasons["down_proj"]
         return
     else:
         assert [experts.packed[s].form for s in ("gate_up_proj", "down_proj")] == [form] * 2

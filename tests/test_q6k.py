@@ -9,19 +9,20 @@ import numpy as np
 import pytest
 import torch
 
+from kiln.layers.expert_groups import ExpertGroups
 from kiln.layers.int4_kernel import quantized_rows
 from kiln.layers.linear import Linear, onednn_runs
 from kiln.layers.packed import DEQUANT_MIN_ROWS, QuantizedTensor
 from kiln.layers.packed_q6k import PackedQ6K
 from kiln.layers.q6k_kernel import load_q6k_matmul, q6k_matmul_kernel
-from kiln.layers.q6k_layout import Q6KCodes, pack_q6k, q6k_dequantize, q6k_rows
+from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
 from kiln.loader.gguf_quant import gguf_codes
-from kiln.native import FLAGS
+from kiln.native import FLAGS, cpu_flags
 from tests.gguf_files import quantize_q6_k
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(
-    q6k_matmul_kernel() is None, reason="kiln's Q6_K kernel needs AVX512-VNNI and AVX512-VBMI"
+    q6k_matmul_kernel() is None, reason="kiln's Q6_K kernel needs AVX2 with FMA and a C++ compiler"
 )
 
 
@@ -58,8 +59,13 @@ def test_the_loader_reads_q6_k_blocks_exactly():
 
 
 def _builds() -> list:
-    """(name, kernel): the engine's build where it has the vector path, and the portable one."""
-    out = [("portable", load_q6k_matmul(tuple(f for f in FLAGS if f != "-march=native")))]
+    """(name, kernel): the portable loops, the AVX2 path (built with -mavx2 -mfma where the CPU
+    has both: the path of CPUs without AVX512-VNNI and VBMI) and the engine's build where it has
+    a vector path."""
+    generic = tuple(f for f in FLAGS if f != "-march=native")
+    out = [("portable", load_q6k_matmul(generic))]
+    if {"avx2", "fma"} <= set(cpu_flags().split()):
+        out.append(("avx2", load_q6k_matmul((*generic, "-mavx2", "-mfma"))))
     if q6k_matmul_kernel() is not None:
         out.append(("native", q6k_matmul_kernel()))
     return out
@@ -67,15 +73,17 @@ def _builds() -> list:
 
 @pytest.mark.parametrize("planes", [1, 2])
 def test_the_kernel_equals_the_product_by_hand(planes):
-    """Rows 1, 2, 3 and 5 (its register blocks of rows and their remainder) of one or two int8
-    planes: within float32 noise of float64 on the same quantized rows; the vector path equals
-    the portable loops bit for bit (the same sums in the same order); two planes within 1e-4
-    of the float32 rows' exact product, one plane within the 8 bits it keeps."""
+    """Rows 1, 2, 3, 5 and 17 (the AVX-512 path's register blocks of rows and their remainder,
+    the AVX2 path's tiles of 16) of one or two int8 planes, on each build: within float32 noise
+    of float64 on the same quantized rows; each vector path equals the portable loops bit for bit
+    (the same sums in the same order); two planes within 1e-4 of the float32 rows' exact
+    product, one plane within the 8 bits it keeps."""
     w = pack_q6k(_random_codes(100, 768))
     weight = q6k_dequantize(w).double().t()
     for name, kernel in _builds():
-        assert kernel.vectorized == (name == "native")
-        for rows in (1, 2, 3, 5):
+        assert kernel.vectorized == (name != "portable")
+        assert name != "avx2" or kernel.isa == 1
+        for rows in (1, 2, 3, 5, 17):  # 17: past the AVX2 path's tile of 16 rows
             x = torch.randn(rows, 768)
             y = kernel.matmul(x, w, torch.float32, planes, portable=name == "portable")
             want = quantized_rows(x, planes) @ weight
@@ -84,8 +92,31 @@ def test_the_kernel_equals_the_product_by_hand(planes):
             exact = x.double() @ weight
             bound = 1e-4 if planes == 2 else 2e-2
             torch.testing.assert_close(y.double(), exact, rtol=0, atol=bound * scale)
-            if name == "native":
+            if name != "portable":
                 assert torch.equal(y, kernel.matmul(x, w, torch.float32, planes, portable=True))
+
+
+def test_each_builds_grouped_call_equals_a_call_per_expert():
+    """A step's experts in one call (the grouped entry, every vector build): each group's rows
+    get exactly what that expert's own product gives; rows of no group are zeros."""
+    stack = Q6KPacked(
+        *(
+            torch.stack([getattr(pack_q6k(_random_codes(128, 512, seed=e)), f) for e in range(3)])
+            for f in Q6KPacked.__dataclass_fields__
+        )
+    )
+    groups = ExpertGroups(experts=[2, 0], starts=[0, 5], counts=[5, 18])  # 18: past a tile
+    x = torch.randn(24, 512)
+    for name, kernel in _builds():
+        if name == "portable":
+            continue
+        for planes in (1, 2):
+            got = kernel.matmul_experts(x, stack, groups, torch.float32, planes)
+            for e, start, count in zip(groups.experts, groups.starts, groups.counts):
+                w = Q6KPacked(*(t[e] for t in vars(stack).values()))
+                alone = kernel.matmul(x[start : start + count], w, torch.float32, planes)
+                assert torch.equal(got[start : start + count], alone)
+            assert not got[23].any()
 
 
 def test_the_kernels_casts_and_dequantization():

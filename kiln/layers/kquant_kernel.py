@@ -2,9 +2,11 @@
 layout (kiln/layers/kquant_layout.py), the rows as int8 planes, built at first use
 (kiln/native.py).
 
-Its vector path needs AVX512-VNNI with VBMI; where the build has none the engine keeps Q5_K
-tensors dequantized, as before it had this kernel. The portable loops (`portable=True`) compute
-the same sums in the same order: the tests' reference, never the engine's path."""
+Its vector paths: AVX512-VNNI with VBMI, else AVX2 with FMA (csrc/int8_rows_avx2.h: the same
+integer sums by vpmaddubsw); where the build has neither the engine keeps Q5_K tensors
+dequantized and Q4_K on the int4 kernel, as before it had this kernel. The portable loops
+(`portable=True`) compute the same sums in the same order: the tests' reference, never the
+engine's path."""
 
 from __future__ import annotations
 
@@ -38,7 +40,12 @@ class KQuantMatmulKernel:
     """The loaded library: `matmul` multiplies rows by a K-quant weight, `dequantize_t` reads it."""
 
     library: ctypes.CDLL
-    vectorized: bool  # AVX512-VNNI with VBMI: the engine's path
+    isa: int  # the vector path built: 2 AVX512-VNNI with VBMI, 1 AVX2 with FMA, 0 none
+
+    @property
+    def vectorized(self) -> bool:
+        """Whether the build has a vector path: the engine's."""
+        return self.isa > 0
 
     def matmul(
         self, rows: torch.Tensor, w: KQuantPacked, dtype: torch.dtype, int8_planes: int = 2,
@@ -140,7 +147,7 @@ def load_kquant_matmul(flags: tuple[str, ...]) -> KQuantMatmulKernel:
     """The kernel built with `flags`, loaded; raises where it cannot be built or loaded."""
     library = ctypes.CDLL(str(built_library(SOURCE, flags)))
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    library.kiln_kquant_vectorized.restype = flag
+    library.kiln_kquant_isa.restype = flag
     library.kiln_kquant_mm.restype = None
     library.kiln_kquant_mm.argtypes = [flag, ptr, i64, i64, flag, *[ptr] * 4, i64, flag, ptr, flag,
                                        flag, flag]  # fmt: skip
@@ -150,4 +157,4 @@ def load_kquant_matmul(flags: tuple[str, ...]) -> KQuantMatmulKernel:
     library.kiln_kquant_dequantize_t.restype = None
     library.kiln_kquant_dequantize_t.argtypes = [flag, *[ptr] * 4, i64, i64, flag, ptr, flag]
     declare_route_entries(library)
-    return KQuantMatmulKernel(library, library.kiln_kquant_vectorized() == 1)
+    return KQuantMatmulKernel(library, library.kiln_kquant_isa())

@@ -163,7 +163,7 @@ def unpackable_reason(t: QuantizedTensor, device: torch.device) -> str | None:
         if device.type != "cpu":
             return f"{t.kind} stays packed on the CPU only (device {device.type})"
         if (q6k_matmul_kernel() if name == "Q6_K" else kquant_matmul_kernel()) is None:
-            return f"kiln's {name} kernel needs AVX512-VNNI and AVX512-VBMI and a C++ compiler"
+            return f"kiln's {name} kernel needs AVX2 with FMA and a C++ compiler"
         return None
     if t.group_size not in KERNEL_GROUP_SIZES:
         return f"group size {t.group_size} (the int4 kernels take {KERNEL_GROUP_SIZES})"

@@ -1,8 +1,9 @@
 """kiln's CPU Q6_K matmul (`csrc/q6k_mm.cpp`): rows times a weight in kiln's Q6_K layout
 (kiln/layers/q6k_layout.py), the rows as int8 planes, built at first use (kiln/native.py).
 
-Its vector path needs AVX512-VNNI with VBMI; where the build has none the engine keeps Q6_K
-tensors dequantized, as before it had this kernel. The portable loops (`portable=True`) compute
+Its vector paths: AVX512-VNNI with VBMI, else AVX2 with FMA (csrc/int8_rows_avx2.h: the same
+integer sums by vpmaddubsw); where the build has neither the engine keeps Q6_K tensors
+dequantized, as before it had this kernel. The portable loops (`portable=True`) compute
 the same sums in the same order: the tests' reference, never the engine's path."""
 
 from __future__ import annotations
@@ -33,7 +34,12 @@ class Q6KMatmulKernel:
     """The loaded library: `matmul` multiplies rows by a Q6_K weight, `dequantize_t` reads it."""
 
     library: ctypes.CDLL
-    vectorized: bool  # AVX512-VNNI with VBMI: the engine's path
+    isa: int  # the vector path built: 2 AVX512-VNNI with VBMI, 1 AVX2 with FMA, 0 none
+
+    @property
+    def vectorized(self) -> bool:
+        """Whether the build has a vector path: the engine's."""
+        return self.isa > 0
 
     def matmul(
         self, rows: torch.Tensor, w: Q6KPacked, dtype: torch.dtype, int8_planes: int = 2,
@@ -125,7 +131,7 @@ def load_q6k_matmul(flags: tuple[str, ...]) -> Q6KMatmulKernel:
     """The kernel built with `flags`, loaded; raises where it cannot be built or loaded."""
     library = ctypes.CDLL(str(built_library(SOURCE, flags)))
     i64, ptr, flag = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    library.kiln_q6k_vectorized.restype = flag
+    library.kiln_q6k_isa.restype = flag
     library.kiln_q6k_mm.restype = None
     library.kiln_q6k_mm.argtypes = [flag, ptr, i64, i64, ptr, ptr, ptr, ptr, i64, flag, ptr, flag,
                                     flag, flag]  # fmt: skip
@@ -135,4 +141,4 @@ def load_q6k_matmul(flags: tuple[str, ...]) -> Q6KMatmulKernel:
     library.kiln_q6k_dequantize_t.restype = None
     library.kiln_q6k_dequantize_t.argtypes = [ptr, ptr, ptr, ptr, i64, i64, flag, ptr, flag]
     declare_route_entries(library)
-    return Q6KMatmulKernel(library, library.kiln_q6k_vectorized() == 1)
+    return Q6KMatmulKernel(library, library.kiln_q6k_isa())

@@ -26,6 +26,7 @@
 // loops compute the same sums in the same order: the reference the tests hold the vector path
 // to, bit for bit.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -34,6 +35,7 @@
 
 #include "bf16.h"
 #include "int8_rows.h"
+#include "int8_rows_avx2.h"
 #include "moe_route.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -235,6 +237,98 @@ void run_block(const Problem& p, int64_t block) {
   else
     p.planes == 2 ? block_all_rows<4, 2>(p, block) : block_all_rows<4, 1>(p, block);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KILN_KQUANT_AVX2 1
+namespace avx2 = kiln_int8_rows_avx2;
+constexpr int64_t CODES_AHEAD = 1024;  // as the AVX-512 path
+constexpr int64_t ROW_TILE = 16;  // rows whose float sums a block keeps at once (4 KB)
+constexpr int QUADS = SUB / 4;
+
+// A sub-block's eight quads as q in vpmaddubsw's lanes: w[quad][a], lane_row order
+template <int BITS>
+inline void sub_codes(const uint8_t* low, const uint8_t* high, __m256i w[QUADS][8]) {
+  const __m256i top = _mm256_set1_epi8(0x10);
+  for (int quad = 0; quad < QUADS; ++quad) {
+    avx2::quad_nibbles(low + quad * 128, w[quad]);
+    if constexpr (BITS == 5)
+      for (int a = 0; a < 4; ++a) {
+        // row 16 j + r at column i: bit 4 (p / 32) + j of byte p % 32, p = 4 r + i; ymm a's
+        // rows r = 4 a .. 4 a + 3 take bytes 16 (a % 2) .., bits 4 (a / 2) + j, moved to bit 4
+        const __m256i h = avx2::both_halves(high + quad * 32 + 16 * (a % 2));
+        const int bit = 4 * (a / 2);
+        const __m256i j01 = _mm256_and_si256(avx2::shift_halves(h, 4 - bit, 3 - bit), top);
+        const __m256i j23 = _mm256_and_si256(avx2::shift_halves(h, 2 - bit, 1 - bit), top);
+        w[quad][a] = _mm256_or_si256(w[quad][a], j01);
+        w[quad][a + 4] = _mm256_or_si256(w[quad][a + 4], j23);
+      }
+  }
+}
+
+// The super-block's end for rows m0 .. m0 + rows: out += d facc - dmin sum(mn row_sum), in
+// the portable loops' order
+void finish_super_avx2(const Problem& p, int64_t block, int64_t s, int64_t m0, int64_t rows,
+                       const float (*facc)[BLOCK]) {
+  const int64_t first = s * SUPER / SUB, n0 = block * BLOCK;
+  for (int a = 0; a < 8; ++a) {
+    const __m256 d = avx2::lane_floats(d_of(p, block, s), a);
+    const __m256 dmin = avx2::lane_floats(d_of(p, block, s) + BLOCK, a);
+    for (int64_t r = 0; r < rows; ++r) {
+      __m256 macc = _mm256_setzero_ps();
+      for (int64_t sub = first; sub < first + SUPER / SUB; ++sub) {
+        const __m256 mn = avx2::lane_bytes<false>(scales_of(p, block, sub) + BLOCK, a);
+        macc = _mm256_fmadd_ps(mn, _mm256_set1_ps(p.row_sums[(m0 + r) * (p.k / SUB) + sub]), macc);
+      }
+      float* o = p.out + (m0 + r) * p.n + n0;
+      const __m256 with_d = _mm256_fmadd_ps(_mm256_load_ps(facc[r] + 8 * a), d, avx2::lane_floats(o, a));
+      avx2::store_lane_floats(o, a, _mm256_fnmadd_ps(macc, dmin, with_d));
+    }
+  }
+}
+
+// Rows m0 .. m0 + rows (at most ROW_TILE) of one block, P int8 planes: the AVX-512 path's sums
+// and roundings with each sub-block's codes unpacked once for all the rows.
+template <int BITS, int P>
+void block_rows_avx2(const Problem& p, int64_t block, int64_t m0, int64_t rows) {
+  const uint8_t* low = p.low + block * p.k * 32;
+  const uint8_t* high = BITS == 5 ? p.high + block * p.k * 8 : nullptr;
+  alignas(32) float facc[ROW_TILE][BLOCK];
+  for (int64_t s = 0; s < p.k / SUPER; ++s) {
+    std::memset(facc, 0, sizeof(float) * BLOCK * rows);
+    for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+      for (int64_t ahead = 0; ahead < SUB * 32; ahead += 64) prefetch(low + sub * SUB * 32 + CODES_AHEAD + ahead);
+      if constexpr (BITS == 5) prefetch(high + sub * SUB * 8 + CODES_AHEAD / 4);
+      __m256i w[QUADS][8];
+      sub_codes<BITS>(low + sub * SUB * 32, BITS == 5 ? high + sub * SUB * 8 : nullptr, w);
+      __m256 sc[8];
+      for (int a = 0; a < 8; ++a) sc[a] = avx2::lane_bytes<false>(scales_of(p, block, sub), a);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        __m256i acc[8];
+        avx2::sub_sums<QUADS, (1 << BITS) - 1, P>(w, p.xq + m * p.k + sub * SUB, p.rows * p.k, acc);
+        const __m256 xs = _mm256_set1_ps(chunk_scale(p, m, sub * SUB));
+        for (int a = 0; a < 8; ++a) {
+          float* f = facc[r] + 8 * a;
+          _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[a]), _mm256_mul_ps(sc[a], xs),
+                                             _mm256_load_ps(f)));
+        }
+      }
+    }
+    finish_super_avx2(p, block, s, m0, rows, facc);
+  }
+}
+
+template <int BITS>
+void block_all_rows_avx2(const Problem& p, int64_t block) {
+  for (int64_t m = 0; m < p.rows; m += ROW_TILE) {
+    const int64_t rows = std::min(ROW_TILE, p.rows - m);
+    p.planes == 2 ? block_rows_avx2<BITS, 2>(p, block, m, rows)
+                  : block_rows_avx2<BITS, 1>(p, block, m, rows);
+  }
+}
+
+void run_block(const Problem& p, int64_t block) {
+  p.bits == 5 ? block_all_rows_avx2<5>(p, block) : block_all_rows_avx2<4>(p, block);
+}
 #else
 void run_block(const Problem& p, int64_t block) { run_block_portable(p, block); }
 #endif
@@ -336,10 +430,12 @@ void dequantize_t(const Weight& w, int64_t k, T* out, int threads) {
 
 extern "C" {
 
-// Whether this build has the vector path (AVX512-VNNI with VBMI); without it the engine keeps
-// Q5_K dequantized and Q4_K on the int4 kernel.
-int kiln_kquant_vectorized() {
-#ifdef KILN_KQUANT_VNNI
+// The vector path this build has: 2 AVX512-VNNI with VBMI, 1 AVX2 with FMA, 0 none (the engine
+// then keeps Q5_K dequantized and Q4_K on the int4 kernel)
+int kiln_kquant_isa() {
+#if defined(KILN_KQUANT_VNNI)
+  return 2;
+#elif defined(KILN_KQUANT_AVX2)
   return 1;
 #else
   return 0;

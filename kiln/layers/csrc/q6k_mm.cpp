@@ -21,6 +21,7 @@
 // loops compute the same sums in the same order: the reference the tests hold the vector path
 // to, bit for bit.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -29,6 +30,7 @@
 
 #include "bf16.h"
 #include "int8_rows.h"
+#include "int8_rows_avx2.h"
 #include "moe_route.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -193,6 +195,78 @@ void run_block(const Problem& p, int64_t block) {
   else
     block_all_rows<1>(p, block);
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#define KILN_Q6K_AVX2 1
+namespace avx2 = kiln_int8_rows_avx2;
+constexpr int64_t CODES_AHEAD = 1024;  // as the AVX-512 path
+constexpr int64_t SCALES_AHEAD = 4;
+constexpr int64_t ROW_TILE = 16;  // rows whose float sums a block keeps at once (4 KB)
+constexpr int QUADS = SUB / 4;
+
+// A sub-block's four quads as q (0..63) in vpmaddubsw's lanes: w[quad][a], lane_row order
+inline void sub_codes(const uint8_t* low, const uint8_t* high, __m256i w[QUADS][8]) {
+  const __m256i top = _mm256_set1_epi8(0x30);
+  for (int quad = 0; quad < QUADS; ++quad) {
+    avx2::quad_nibbles(low + quad * 128, w[quad]);
+    for (int a = 0; a < 4; ++a) {
+      // rows 16 j + r of lane group j take bits 2 j, 2 j + 1 of the high byte 4 r + column
+      const __m256i h = avx2::both_halves(high + quad * 64 + 16 * a);
+      const __m256i j01 = _mm256_and_si256(avx2::shift_halves(h, 4, 2), top);
+      const __m256i j23 = _mm256_and_si256(avx2::shift_halves(h, 0, -2), top);
+      w[quad][a] = _mm256_or_si256(w[quad][a], j01);
+      w[quad][a + 4] = _mm256_or_si256(w[quad][a + 4], j23);
+    }
+  }
+}
+
+// Rows m0 .. m0 + rows (at most ROW_TILE) of one block, P int8 planes: the AVX-512 path's sums
+// and roundings with each sub-block's codes unpacked once for all the rows.
+template <int P>
+void block_rows_avx2(const Problem& p, int64_t block, int64_t m0, int64_t rows) {
+  const int64_t n0 = block * BLOCK;
+  const uint8_t* low = p.low + block * p.k * 32;
+  const uint8_t* high = p.high + block * p.k * 16;
+  alignas(32) float facc[ROW_TILE][BLOCK];
+  for (int64_t s = 0; s < p.k / SUPER; ++s) {
+    std::memset(facc, 0, sizeof(float) * BLOCK * rows);
+    for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
+      prefetch(p.sub_scales + (sub + SCALES_AHEAD) * p.n + n0);
+      for (int64_t ahead = 0; ahead < SUB * 32; ahead += 64) prefetch(low + sub * SUB * 32 + CODES_AHEAD + ahead);
+      prefetch(high + sub * SUB * 16 + CODES_AHEAD / 2);
+      __m256i w[QUADS][8];
+      sub_codes(low + sub * SUB * 32, high + sub * SUB * 16, w);
+      __m256 sc[8];
+      for (int a = 0; a < 8; ++a) sc[a] = avx2::lane_bytes<true>(p.sub_scales + sub * p.n + n0, a);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        __m256i acc[8];
+        avx2::sub_sums<QUADS, 63, P>(w, p.xq + m * p.k + sub * SUB, p.rows * p.k, acc);
+        const __m256 xs = _mm256_set1_ps(chunk_scale(p, m, sub * SUB));
+        const __m256i bias = _mm256_set1_epi32(p.bias[m * (p.k / SUB) + sub]);
+        for (int a = 0; a < 8; ++a) {
+          const __m256 exact = _mm256_cvtepi32_ps(_mm256_sub_epi32(acc[a], bias));
+          float* f = facc[r] + 8 * a;
+          _mm256_store_ps(f, _mm256_fmadd_ps(exact, _mm256_mul_ps(sc[a], xs), _mm256_load_ps(f)));
+        }
+      }
+    }
+    for (int a = 0; a < 8; ++a) {
+      const __m256 d = avx2::lane_floats(p.d + s * p.n + n0, a);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = p.out + (m0 + r) * p.n + n0;
+        const __m256 f = _mm256_load_ps(facc[r] + 8 * a);
+        avx2::store_lane_floats(o, a, _mm256_fmadd_ps(f, d, avx2::lane_floats(o, a)));
+      }
+    }
+  }
+}
+
+void run_block(const Problem& p, int64_t block) {
+  for (int64_t m = 0; m < p.rows; m += ROW_TILE) {
+    const int64_t rows = std::min(ROW_TILE, p.rows - m);
+    p.planes == 2 ? block_rows_avx2<2>(p, block, m, rows) : block_rows_avx2<1>(p, block, m, rows);
+  }
+}
 #else
 void run_block(const Problem& p, int64_t block) { run_block_portable(p, block); }
 #endif
@@ -276,10 +350,12 @@ void dequantize_t(const uint8_t* low, const uint8_t* high, const int8_t* sub_sca
 
 extern "C" {
 
-// Whether this build has the vector path (AVX512-VNNI with VBMI); without it the engine keeps
-// Q6_K dequantized.
-int kiln_q6k_vectorized() {
-#ifdef KILN_Q6K_VNNI
+// The vector path this build has: 2 AVX512-VNNI with VBMI, 1 AVX2 with FMA, 0 none (the engine
+// then keeps Q6_K dequantized)
+int kiln_q6k_isa() {
+#if defined(KILN_Q6K_VNNI)
+  return 2;
+#elif defined(KILN_Q6K_AVX2)
   return 1;
 #else
   return 0;
