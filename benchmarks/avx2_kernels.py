@@ -9,6 +9,9 @@ rounds alternating in one process.
 - Q4_K on the K-quant kernel's AVX2 path (4.75 bits a weight, rows as two int8 planes) against
   Q4_K as an int4 plane on the int4 kernel's AVX2 float path (5 bits), the engine's choice for
   Q4_K where the K-quant kernel has no vector path;
+- Q4_0-like int4 planes (the scales alone) in PyTorch's AVX2 layout (blocks of 32 rows) on the
+  int4 kernel's AVX2 build: float32 rows against two and one int8 planes (`--packed-activations
+  int16` and `int8`);
 - the native build (AVX512-VNNI here, where the CPU has it) beside each, for scale.
 
 On an AVX-512 CPU the AVX2 builds run 256-bit code at that CPU's speed and bandwidth: a proxy
@@ -25,7 +28,7 @@ import torch
 from int4_table_ab import _timed, alternating_rounds  # beside this script
 from kquant_kernel import nbytes  # beside this script
 
-from kiln.layers.cpu_int4_layout import cpu_block_n
+from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_pack
 from kiln.layers.int4_kernel import load_int4_matmul
 from kiln.layers.kquant_kernel import kquant_matmul_kernel, load_kquant_matmul, random_codes
 from kiln.layers.kquant_layout import pack_kquant
@@ -85,6 +88,13 @@ def shape_runs(n: int, k: int, copies: int, calls: int, g: torch.Generator) -> t
         [lambda x, p=p: int4.matmul_as(x, p[0], p[1], 32, block, torch.bfloat16, 0) for p in planes]
     )
     sizes["Q4_K as int4, avx2 float rows"] = nbytes(*planes[0])
+    q4_0 = [(cpu_pack(c.codes, 32), torch.rand(k // 32, n, 1, generator=g).to(torch.bfloat16))
+            for c in q4_codes]  # fmt: skip
+    for name, planes_in in (("float", 0), ("int16", 2), ("int8", 1)):
+        runs[f"Q4_0 B32 avx2 {name}"] = lambda planes_in=planes_in: each([
+            lambda x, p=p: int4.matmul_as(x, p[0], p[1], 32, 32, torch.bfloat16, planes_in)
+            for p in q4_0])  # fmt: skip
+        sizes[f"Q4_0 B32 avx2 {name}"] = nbytes(*q4_0[0])
     return runs, sizes
 
 

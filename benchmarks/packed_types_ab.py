@@ -17,6 +17,14 @@ Q4_K experts as int4 planes, Q6_K and Q5_K experts dequantized.
     python benchmarks/make_random_gguf.py --shape qwen3-30b-a3b-4-layers --type Q4_K_M \
         --out /tmp/moe-km.gguf
     python benchmarks/packed_types_ab.py --model /tmp/moe-km.gguf --experts-int4-only
+
+`--avx2`: both engines run kiln's kernels as a CPU with AVX2 and FMA but no AVX-512 builds them
+(`-mavx2 -mfma` for `-march=native`); with PyTorch's and oneDNN's kernels limited the same way
+by their environment variables, the process stands in for such a CPU. Before the Q6_K and
+K-quant kernels had AVX2 paths, that CPU dequantized Q6_K and kept Q4_K as int4 planes:
+
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python benchmarks/packed_types_ab.py \
+        --model /tmp/km.gguf --avx2 --dequantize Q6_K --q4-k-int4 --rounds 4
 """
 
 from __future__ import annotations
@@ -26,8 +34,17 @@ from unittest import mock
 
 from int4_table_ab import alternating_rounds, decode_seconds, report_rate  # beside this script
 
-from kiln import LLM
-from kiln.layers import linear, packed_experts, packed_parts
+from kiln import LLM, native
+from kiln.attention import cpu_kernel
+from kiln.layers import (
+    bf16_kernel,
+    int4_kernel,
+    kquant_kernel,
+    linear,
+    packed_experts,
+    packed_parts,
+    q6k_kernel,
+)
 from kiln.layers.packed import as_int4_plane
 from kiln.loader import gguf as gguf_loader
 from kiln.loader.gguf_quant import PACKED_GGUF_TYPES
@@ -52,6 +69,13 @@ def boot(
             mock.patch.object(packed_experts, "for_device", expert_form), \
             mock.patch.object(packed_experts, "unpackable_reason", reason):  # fmt: skip
         return LLM(model, dtype=dtype, compilation_config={"mode": mode})
+
+
+def build_kernels_for_avx2() -> None:
+    """Every kiln kernel of this process built as for a CPU with AVX2 and FMA only."""
+    flags = (*(f for f in native.FLAGS if f != "-march=native"), "-mavx2", "-mfma")
+    for module in (int4_kernel, q6k_kernel, kquant_kernel, bf16_kernel, cpu_kernel):
+        module.FLAGS = flags
 
 
 def _int4_experts_only(t, device):
@@ -81,7 +105,10 @@ def main() -> None:
     parser.add_argument("--mode", type=int, default=0)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--avx2", action="store_true", help="kiln's kernels built for AVX2")
     args = parser.parse_args()
+    if args.avx2:
+        build_kernels_for_avx2()
     if not (args.dequantize or args.dequantize_mixed or args.q4_k_int4 or args.experts_int4_only):
         parser.error("name types to --dequantize, or --dequantize-mixed, --q4-k-int4 or "
                      "--experts-int4-only")  # fmt: skip

@@ -146,9 +146,12 @@ def test_int8_rows_take_the_kernel_below_the_dequant_switch(planes):
     1.4-1.7x dequantize + matmul on an AVX-512 EPYC); with AMX the weight is dequantized and
     multiplied densely, 5.7-9x faster there: the product then equals that, bit for bit."""
     from kiln.layers.bf16_kernel import has_amx
-    from kiln.layers.cpu_int4_layout import cpu_dequantize_t
+    from kiln.layers.cpu_int4_layout import cpu_block_n, cpu_dequantize_t
+    from kiln.layers.int4_kernel import int4_matmul_kernel
 
-    _int8_kernel()
+    kernel = int4_matmul_kernel()
+    if kernel is None or not kernel.int8_rows_for(cpu_block_n()):
+        pytest.skip("kiln's int4 kernel has no int8 path here (AVX512-VNNI with VBMI, or AVX2)")
     _, weights = _gguf_tensor("Q4_1", 192, 512)
     packed = PackedInt4(weights, CPU)
     packed.int8_planes = planes
@@ -351,45 +354,56 @@ def _random_plane(
     return cpu_pack(codes, block), sz[..., :terms].contiguous()
 
 
-def _int8_kernel():
-    from kiln.layers.int4_kernel import int4_matmul_kernel
+def _int8_builds() -> list:
+    """(kernel, block): each build of kiln's int4 kernel with an int8 path on this CPU (the
+    engine's; the AVX2 one where the CPU has AVX2 and FMA) and each layout it reads that way."""
+    from kiln import native
+    from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
 
-    kernel = int4_matmul_kernel()
-    if kernel is None or not kernel.has_int8_rows:
-        pytest.skip("kiln's int4 kernel has no int8 path here (it needs AVX512-VNNI and VBMI)")
-    return kernel
+    kernels = [int4_matmul_kernel()]
+    if {"avx2", "fma"} <= set(native.cpu_flags().split()):
+        generic = tuple(f for f in native.FLAGS if f != "-march=native")
+        kernels.append(load_int4_matmul((*generic, "-mavx2", "-mfma")))
+    builds = [
+        (kernel, block) for kernel in kernels if kernel is not None for block in kernel.int8_blocks
+    ]
+    if not builds:
+        pytest.skip("kiln's int4 kernel has no int8 path here (AVX512-VNNI with VBMI, or AVX2)")
+    return builds
 
 
 @pytest.mark.parametrize("group", [32, 128])
 @pytest.mark.parametrize("planes", [1, 2])
 @pytest.mark.parametrize("terms", [2, 1])
 def test_int8_rows_are_the_rows_quantized_by_hand(group, planes, terms):
-    """The int8 path (--packed-activations int8 / int16) against the same quantization done
-    by hand in float64 (int8_rows_product): rows 1, 2, 3 and 5 (its blocks of two rows and the
-    remainder), the second plane of Q8_0 added into the first's output, rows of very different
-    sizes per chunk of 32 and an all-zero chunk, and the casts inside matmul_as."""
+    """The int8 path (--packed-activations int8 / int16) of each build and layout it reads
+    (AVX512-VNNI: blocks of 64; AVX2: 32 and 64) against the same quantization done by hand in
+    float64 (int8_rows_product): rows 1, 2, 3, 5 and 17 (AVX-512's blocks of two rows and the
+    remainder, AVX2's tiles of 16), the second plane of Q8_0 added into the first's output,
+    rows of very different sizes per chunk of 32 and an all-zero chunk, and the casts inside
+    matmul_as."""
     from kiln.layers.cpu_int4_layout import cpu_dequantize_t
     from kiln.layers.int4_kernel import int8_rows_product
 
-    kernel = _int8_kernel()
     n, k = 128, 512
-    weights = []
-    for table_terms in (terms, 2):
-        packed, sz = _random_plane(n, k, group, 64, table_terms)
-        weights.append((packed, sz, cpu_dequantize_t(packed, sz, group, torch.float64, 64)))
-    for rows in (1, 2, 3, 5):
-        x = torch.randn(rows, k) * torch.logspace(-3, 2, k)
-        x[:, 64:96] = 0
-        y = kernel.matmul(x, *weights[0][:2], group, 64, int8_planes=planes)
-        kernel.matmul(x, *weights[1][:2], group, 64, out=y, int8_planes=planes)
-        want = sum(int8_rows_product(x, planes, w, sz, group) for _, sz, w in weights)
-        scale_of_sums = (x.double().abs() @ (weights[0][2].abs() + weights[1][2].abs())).max()
-        torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums.item())
-        for dtype in (torch.float32, torch.bfloat16):
-            xi = x.to(dtype)
-            cast = kernel.matmul(xi.float(), *weights[0][:2], group, 64, int8_planes=planes)
-            got = kernel.matmul_as(xi, *weights[0][:2], group, 64, dtype, int8_planes=planes)
-            assert torch.equal(got, cast.to(dtype))
+    for kernel, block in _int8_builds():
+        weights = []
+        for table_terms in (terms, 2):
+            packed, sz = _random_plane(n, k, group, block, table_terms)
+            weights.append((packed, sz, cpu_dequantize_t(packed, sz, group, torch.float64, block)))
+        for rows in (1, 2, 3, 5, 17):
+            x = torch.randn(rows, k) * torch.logspace(-3, 2, k)
+            x[:, 64:96] = 0
+            y = kernel.matmul(x, *weights[0][:2], group, block, int8_planes=planes)
+            kernel.matmul(x, *weights[1][:2], group, block, out=y, int8_planes=planes)
+            want = sum(int8_rows_product(x, planes, w, sz, group) for _, sz, w in weights)
+            scale_of_sums = (x.double().abs() @ (weights[0][2].abs() + weights[1][2].abs())).max()
+            torch.testing.assert_close(y.double(), want, rtol=0, atol=1e-6 * scale_of_sums.item())
+            for dtype in (torch.float32, torch.bfloat16):
+                xi = x.to(dtype)
+                cast = kernel.matmul(xi.float(), *weights[0][:2], group, block, int8_planes=planes)
+                got = kernel.matmul_as(xi, *weights[0][:2], group, block, dtype, int8_planes=planes)
+                assert torch.equal(got, cast.to(dtype))
 
 
 def test_two_int8_planes_keep_16_bits_of_each_value():
@@ -398,10 +412,10 @@ def test_two_int8_planes_keep_16_bits_of_each_value():
     the float32 one; one plane (int8) is 256 times coarser, and the bound shows it."""
     from kiln.layers.cpu_int4_layout import cpu_dequantize_t
 
-    kernel = _int8_kernel()
+    kernel, block = _int8_builds()[0]
     n, k, group = 256, 1024, 32
-    packed, sz = _random_plane(n, k, group, 64)
-    w = cpu_dequantize_t(packed, sz, group, torch.float64, 64)
+    packed, sz = _random_plane(n, k, group, block)
+    w = cpu_dequantize_t(packed, sz, group, torch.float64, block)
     x = torch.randn(3, k)
     exact = x.double() @ w
     amax = x.view(3, -1, 32).abs().amax(-1).repeat_interleave(32, 1).double()  # [R, K]
@@ -410,11 +424,11 @@ def test_two_int8_planes_keep_16_bits_of_each_value():
     ).abs()  # |(code) * scale|: the part of w the quantized rows multiply
     step = amax / 127
     for planes, half_step in ((2, step / 512), (1, step / 2)):
-        got = kernel.matmul(x, packed, sz, group, 64, int8_planes=planes).double()
+        got = kernel.matmul(x, packed, sz, group, block, int8_planes=planes).double()
         bound = half_step @ codes_times_scale + 1e-6 * (x.double().abs() @ w.abs())
         assert ((got - exact).abs() <= bound).all()
-    error16 = (kernel.matmul(x, packed, sz, group, 64, int8_planes=2).double() - exact).abs()
-    error8 = (kernel.matmul(x, packed, sz, group, 64, int8_planes=1).double() - exact).abs()
+    error16 = (kernel.matmul(x, packed, sz, group, block, int8_planes=2).double() - exact).abs()
+    error8 = (kernel.matmul(x, packed, sz, group, block, int8_planes=1).double() - exact).abs()
     assert error8.mean() > 50 * error16.mean()
 
 
@@ -430,7 +444,8 @@ def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):
     assert self_check_error(kernel) < SELF_CHECK_TOLERANCE
 
     class SwappedBlocks:  # reads blocks of 64 as 32 and 32 as 64
-        has_int8_rows = kernel.has_int8_rows
+        def int8_rows_for(self, block):
+            return kernel.int8_rows_for(96 - block)
 
         def matmul(self, x, packed, sz, group, block, int8_planes=0):
             return kernel.matmul(x, packed, sz, group, 96 - block, int8_planes=int8_planes)
@@ -446,16 +461,27 @@ def _packed_module() -> torch.nn.Module:
 
 
 def test_packed_activations_choose_the_rows_planes(monkeypatch, caplog):
-    """--packed-activations: auto takes two int8 planes where the kernel has the int8 path and
-    float32 rows where it has not, silently; int8 or int16 asked of a kernel without it is a
-    warning naming the remedy, and an error under --strict-graphs."""
+    """--packed-activations: auto takes two int8 planes where the kernel has the AVX512-VNNI
+    int8 path and float32 rows elsewhere (the AVX2 path too: its two planes are no faster),
+    silently; int8 or int16 take that many planes on either path; asked of a kernel without
+    one, a warning naming the remedy, and an error under --strict-graphs."""
+    from kiln import native
     from kiln.boot import cpu_linears
     from kiln.errors import ConfigError
+    from kiln.layers.int4_kernel import load_int4_matmul
 
     model = _packed_module()
-    kernel = cpu_linears.int4_matmul_kernel()
-    if kernel is not None and kernel.has_int8_rows and cpu_linears.cpu_block_n() == 64:
-        for policy, planes in (("auto", 2), ("int16", 2), ("int8", 1), ("float", 0)):
+    native_kernel = cpu_linears.int4_matmul_kernel()
+    kernels = [native_kernel]
+    if {"avx2", "fma"} <= set(native.cpu_flags().split()):
+        generic = tuple(f for f in native.FLAGS if f != "-march=native")
+        kernels.append(load_int4_matmul((*generic, "-mavx2", "-mfma")))
+    for kernel in kernels:
+        if kernel is None or not kernel.int8_rows_for(cpu_linears.cpu_block_n()):
+            continue
+        monkeypatch.setattr(cpu_linears, "int4_matmul_kernel", lambda kernel=kernel: kernel)
+        auto = 2 if kernel.isa == 2 else 0
+        for policy, planes in (("auto", auto), ("int16", 2), ("int8", 1), ("float", 0)):
             assert "--packed-activations" in cpu_linears.choose_packed_activations(
                 model, policy, strict=True
             )

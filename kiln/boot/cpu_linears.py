@@ -51,24 +51,26 @@ INT8_PLANES = {"float": 0, "int16": 2, "int8": 1, "auto": 2}
 
 def choose_packed_activations(model: nn.Module, policy: str, strict: bool) -> str | None:
     """How every packed weight's decode rows go into kiln's int4 kernel: as float32 (`float`),
-    as two int8 planes (`int16`, and `auto` where the kernel has the int8 path) or one
-    (`int8`); a description for the boot log, None when the model has no packed weight. int8
+    as two int8 planes (`int16`, and `auto` where the kernel has the AVX512-VNNI int8 path) or
+    one (`int8`); a description for the boot log, None when the model has no packed weight. int8
     or int16 on a CPU without the path is a warning (an error with `strict`): rows stay float."""
     packed = [m for m in model.modules() if isinstance(m, (PackedWeight, PackedExperts))]
     if not packed:
         return None
     kernel = int4_matmul_kernel()
-    available = kernel is not None and kernel.has_int8_rows and cpu_block_n() == 64
+    available = kernel is not None and kernel.int8_rows_for(cpu_block_n())
     if policy in ("int8", "int16") and not available:
         message = (
             f"--packed-activations {policy}: kiln's int4 kernel has no int8 path on this CPU "
-            "(it needs AVX512-VNNI and AVX512-VBMI), so decode rows stay float32. Remedy: "
-            "--packed-activations float (or auto)"
+            "(it needs AVX512-VNNI with AVX512-VBMI, or AVX2 without AVX-512), so decode rows "
+            "stay float32. Remedy: --packed-activations float (or auto)"
         )
         if strict:
             raise ConfigError(message)
         logger.warning(message)
     planes = INT8_PLANES[policy] if available else 0
+    if policy == "auto" and kernel is not None and kernel.isa < 2:
+        planes = 0  # AVX2's two planes are no faster than float32 rows (docs/performance.md)
     for module in packed:
         module.int8_planes = planes
     described = {0: "float32", 1: "one int8 plane (8 bits)", 2: "two int8 planes (16 bits)"}

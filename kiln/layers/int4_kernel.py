@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from kiln.layers.cpu_int4_layout import cpu_dequantize_t, cpu_pack, table_terms
+from kiln.layers.cpu_int4_layout import CPU_BLOCKS, cpu_dequantize_t, cpu_pack, table_terms
 from kiln.layers.expert_groups import (
     ExpertGroups,
     RoutedRows,
@@ -33,11 +33,22 @@ class Int4MatmulKernel:
 
     library: ctypes.CDLL
     isa: int  # 0 portable, 1 AVX2 with FMA, 2 AVX-512
-    has_int8_rows: bool  # AVX512-VNNI with VBMI: rows may go in as int8 planes
+    # the layouts (blocks of rows) whose rows may go in as int8 planes: 64 with AVX512-VNNI and
+    # VBMI, 32 and 64 on AVX2, none elsewhere
+    int8_blocks: tuple[int, ...]
 
     @property
     def vectorized(self) -> bool:
         return self.isa > 0
+
+    @property
+    def has_int8_rows(self) -> bool:
+        """Whether rows may go in as int8 planes for any layout."""
+        return bool(self.int8_blocks)
+
+    def int8_rows_for(self, block_n: int | None) -> bool:
+        """Whether rows may go in as int8 planes for PyTorch's layout of `block_n` rows."""
+        return block_n in self.int8_blocks
 
     def matmul(
         self, rows: torch.Tensor, packed: torch.Tensor, scales_zeros: torch.Tensor,
@@ -47,7 +58,8 @@ class Int4MatmulKernel:
         of `block_n` rows, `scales_zeros` [K/G, N, 2] bf16, or [K/G, N, 1]: the scales alone,
         every zero 0) -> float32 [R, N]; added into `out` where it is given. `int8_planes` 1 or
         2: the rows go in as that many int8 planes per 32 columns (8 or 16 bits of each value)
-        where this build has that path and `block_n` is 64 (else, and with 0, as float32)."""
+        where this build has that path for `block_n` (`int8_rows_for`; else, and with 0, as
+        float32)."""
         r, k = rows.shape
         terms = _table_width(scales_zeros)
         n = scales_zeros.shape[1]
@@ -162,7 +174,7 @@ def self_check_error(kernel: Int4MatmulKernel) -> float:
         packed = cpu_pack(codes, block)
         for table in (pairs, pairs[..., :1].contiguous()):
             w = cpu_dequantize_t(packed, table, group, torch.float64, block)
-            for planes in (0, 1, 2) if kernel.has_int8_rows and block == 64 else (0,):
+            for planes in (0, 1, 2) if kernel.int8_rows_for(block) else (0,):
                 want = int8_rows_product(x, planes, w, table, group)
                 got = kernel.matmul(x, packed, table, group, block, int8_planes=planes)
                 worst = max(worst, ((got.double() - want).abs().max() / want.abs().max()).item())
@@ -212,12 +224,13 @@ def load_int4_matmul(flags: tuple[str, ...]) -> Int4MatmulKernel:
     library.kiln_int4_mm_experts.restype = None
     library.kiln_int4_mm_experts.argtypes = [ptr, i64, i64, ptr, ptr, flag, ptr, i64, i64, i64,
                                              i64, ptr, ptr, ptr, ptr, flag, flag, flag]  # fmt: skip
-    library.kiln_int4_mm_int8_rows.restype = flag
+    library.kiln_int4_mm_int8_block.restype = flag
+    library.kiln_int4_mm_int8_block.argtypes = [i64]
     library.kiln_int4_dequantize_t.restype = None
     library.kiln_int4_dequantize_t.argtypes = [ptr, ptr, flag, i64, i64, i64, i64, flag, ptr, flag]
-    int8_rows = library.kiln_int4_mm_int8_rows() == 1
+    int8_blocks = tuple(b for b in CPU_BLOCKS if library.kiln_int4_mm_int8_block(b) == 1)
     declare_route_entries(library)
-    return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_rows)
+    return Int4MatmulKernel(library, library.kiln_int4_mm_isa(), int8_blocks)
 
 
 def describe_int4_kernel() -> str:

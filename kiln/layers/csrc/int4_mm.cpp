@@ -27,6 +27,7 @@
 
 #include "bf16.h"
 #include "int8_rows.h"
+#include "int8_rows_avx2.h"
 #include "moe_route.h"
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -221,9 +222,7 @@ bool run_block(const Problem&, int64_t) { return false; }
 // the layout has a column's 64 codes side by side (row j low nibble, row j + 32 high), so one
 // vpermt2b per 16 rows gathers four columns' bytes into lanes. The high nibble is kept in
 // place (& 0xf0: 16 times the code) and its sums scaled by 1/16, which is exact.
-#if defined(KILN_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
-#define KILN_INT8_ROWS 1
-
+// A product whose rows go in as int8 planes (kiln_int8_rows::quantize_rows)
 struct Int8Problem {
   const int8_t* xq;     // [planes, rows, k]: the codes, then (two planes) their remainders'
   const float* xscale;  // [rows, k / CHUNK]: the first plane's scale (the second's is / 256)
@@ -235,6 +234,10 @@ struct Int8Problem {
   int64_t n, group;
   float* out;
 };
+
+#if defined(KILN_SIMD) && defined(__AVX512VNNI__) && defined(__AVX512VBMI__)
+#define KILN_INT8_ROWS 1
+#define KILN_INT8_VNNI 1
 
 // Rows m0 .. m0 + R of block `block`: acc[r][j] holds outputs n0 + 16 j .. + 16 of row r.
 template <int R, int P, int TERMS>
@@ -308,6 +311,113 @@ void block_all_rows_int8(const Int8Problem& p, int64_t block) {
     block_all_rows_int8<P, 1>(p, block);
   else
     block_all_rows_int8<P, 2>(p, block);
+}
+
+// The blocks of rows the int8 path reads: PyTorch's layout on AVX-512 CPUs
+inline bool int8_block_ok(int64_t block) { return block == 64; }
+
+template <int P>
+void run_int8_block(const Int8Problem& p, int64_t b, int64_t /*block*/) {
+  block_all_rows_int8<P>(p, b);
+}
+
+#elif defined(KILN_SIMD) && !defined(__AVX512F__)
+// AVX2 (csrc/int8_rows_avx2.h): four columns' bytes of 16 rows go into 32-bit lanes by two rounds
+// of unpacks, in the rows' own order, and vpmaddubsw with vpmaddwd sums a lane's four products.
+// Both of PyTorch's layouts are read: blocks of 32 rows (its packing on AVX2 CPUs) and of 64.
+// Each plane's int32 sums are scaled alone, as the AVX-512 path scales them.
+#define KILN_INT8_ROWS 1
+namespace avx2 = kiln_int8_rows_avx2;
+constexpr int64_t ROW_TILE = 16;  // rows whose float sums a block keeps at once
+constexpr int CHUNK_QUADS = CHUNK / 4;
+
+// A quad of columns' 16 bytes each (`stride` bytes apart): x[0] holds rows 0..7 of the 16 in
+// its lanes, x[1] rows 8..15; each byte has row r's code in its low nibble, row r + B / 2's high
+inline void quad16(const uint8_t* col, int64_t stride, __m256i x[2]) {
+  const auto load = [&](int i) {
+    return _mm_loadu_si128(reinterpret_cast<const __m128i*>(col + i * stride));
+  };
+  const __m128i c0 = load(0), c1 = load(1), c2 = load(2), c3 = load(3);
+  const __m128i lo01 = _mm_unpacklo_epi8(c0, c1), hi01 = _mm_unpackhi_epi8(c0, c1);
+  const __m128i lo23 = _mm_unpacklo_epi8(c2, c3), hi23 = _mm_unpackhi_epi8(c2, c3);
+  const auto both = [](__m128i lo, __m128i hi) {
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+  };
+  x[0] = both(_mm_unpacklo_epi16(lo01, lo23), _mm_unpackhi_epi16(lo01, lo23));
+  x[1] = both(_mm_unpacklo_epi16(hi01, hi23), _mm_unpackhi_epi16(hi01, hi23));
+}
+
+// A chunk's 8 quads of a block of B rows as codes 0..15: w[quad][v] holds rows 8 v .. 8 v + 7
+template <int B>
+inline void chunk_codes(const uint8_t* column, __m256i w[CHUNK_QUADS][B / 8]) {
+  const __m256i four = _mm256_set1_epi8(0x0f);
+  for (int quad = 0; quad < CHUNK_QUADS; ++quad) {
+    const uint8_t* bytes = column + 4 * quad * (B / 2);
+    for (int line = 0; line < 2 * B; line += 64) prefetch(bytes + CODES_AHEAD + line);
+    for (int half = 0; half < B / 32; ++half) {
+      __m256i x[2];
+      quad16(bytes + 16 * half, B / 2, x);
+      for (int i = 0; i < 2; ++i) {
+        w[quad][2 * half + i] = _mm256_and_si256(x[i], four);
+        w[quad][B / 16 + 2 * half + i] = _mm256_and_si256(_mm256_srli_epi16(x[i], 4), four);
+      }
+    }
+  }
+}
+
+// Rows m0 .. m0 + rows (at most ROW_TILE) of block `block` of B rows, P planes
+template <int B, int P, int TERMS>
+void block_rows_int8_avx2(const Int8Problem& p, int64_t block, int64_t m0, int64_t rows) {
+  constexpr int V = B / 8;
+  const int64_t n0 = block * B, groups = p.k / p.group, chunks = p.k / CHUNK;
+  const uint8_t* column = p.packed + block * p.k * (B / 2);
+  alignas(32) float facc[ROW_TILE][B];
+  for (int64_t g = 0; g < groups; ++g) {
+    prefetch_next_scales(p.scales_zeros, TERMS, g, p.n, n0, B);
+    std::memset(facc, 0, sizeof(float) * B * rows);
+    for (int64_t c = g * p.group / CHUNK; c < (g + 1) * p.group / CHUNK; ++c) {
+      __m256i w[CHUNK_QUADS][V];
+      chunk_codes<B>(column + c * CHUNK * (B / 2), w);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t m = m0 + r;
+        const float s = p.xscale[m * chunks + c];
+        for (int q = 0; q < P; ++q) {
+          __m256i acc[V];
+          avx2::plane_sums<CHUNK_QUADS, 15, V>(w, p.xq + (q * p.rows + m) * p.k + c * CHUNK, acc);
+          const __m256 sq = _mm256_set1_ps(q == 0 ? s : s * (1.0f / 256));
+          for (int v = 0; v < V; ++v) {
+            float* f = facc[r] + 8 * v;
+            _mm256_store_ps(f, _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[v]), sq, _mm256_load_ps(f)));
+          }
+        }
+      }
+    }
+    for (int v = 0; v < V; ++v) {
+      vf scale, bias;
+      scale_bias<TERMS>(p.scales_zeros + (g * p.n + n0 + 8 * v) * TERMS, &scale, &bias);
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = p.out + (m0 + r) * p.n + n0 + 8 * v;
+        const vf folded = vfmadd(bias, vset(p.sums[(m0 + r) * groups + g]), vload(o));
+        vstore(o, vfmadd(_mm256_load_ps(facc[r] + 8 * v), scale, folded));
+      }
+    }
+  }
+}
+
+template <int B, int P, int TERMS>
+void block_all_rows_int8_avx2(const Int8Problem& p, int64_t block) {
+  for (int64_t m = 0; m < p.rows; m += ROW_TILE)
+    block_rows_int8_avx2<B, P, TERMS>(p, block, m, std::min(ROW_TILE, p.rows - m));
+}
+
+inline bool int8_block_ok(int64_t block) { return block == 32 || block == 64; }
+
+template <int P>
+void run_int8_block(const Int8Problem& p, int64_t b, int64_t block) {
+  if (block == 64)
+    p.terms == 1 ? block_all_rows_int8_avx2<64, P, 1>(p, b) : block_all_rows_int8_avx2<64, P, 2>(p, b);
+  else
+    p.terms == 1 ? block_all_rows_int8_avx2<32, P, 1>(p, b) : block_all_rows_int8_avx2<32, P, 2>(p, b);
 }
 
 #endif
@@ -443,11 +553,13 @@ int kiln_int4_mm_isa() {
 #endif
 }
 
-// Whether this build has the int8-activation path (AVX512-VNNI with VBMI).
-int kiln_int4_mm_int8_rows() {
+// Whether this build's int8-activation path (AVX512-VNNI with VBMI, or AVX2) reads PyTorch's
+// layout of `block` rows: 64 on AVX-512, 32 or 64 on AVX2; 0 everywhere without the path.
+int kiln_int4_mm_int8_block(int64_t block) {
 #ifdef KILN_INT8_ROWS
-  return 1;
+  return int8_block_ok(block) ? 1 : 0;
 #else
+  (void)block;
   return 0;
 #endif
 }
@@ -456,14 +568,15 @@ int kiln_int4_mm_int8_rows() {
 // k of group; `terms` 2 or 1 bf16 values an output and group in the table); added to what out
 // holds when accumulate is set (a second plane of Q8_0). With
 // int8_planes 1 or 2, the rows go in as one or two int8 planes per 32 columns (8 or 16 bits of
-// each value) where this build has that path and block is 64; else (and with 0) as float32.
+// each value) where this build has that path for `block` (kiln_int4_mm_int8_block); else (and
+// with 0) as float32.
 void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed,
                   const uint16_t* scales_zeros, int terms, int64_t n, int64_t block,
                   int64_t group, float* out, int accumulate, int threads, int int8_planes) {
   const std::vector<float> sums = group_sums(x, rows, k, group, threads);
   if (!accumulate) std::memset(out, 0, sizeof(float) * rows * n);
 #ifdef KILN_INT8_ROWS
-  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
+  if ((int8_planes == 1 || int8_planes == 2) && int8_block_ok(block) && group % CHUNK == 0) {
     std::vector<int8_t> xq(int8_planes * rows * k);
     std::vector<float> xscale(rows * (k / CHUNK));
     quantize_rows(x, rows, k, int8_planes, xq.data(), xscale.data(), threads);
@@ -471,10 +584,10 @@ void kiln_int4_mm(const float* x, int64_t rows, int64_t k, const uint8_t* packed
                         terms, n, group, out};
     if (int8_planes == 1) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t b = 0; b < n / block; ++b) block_all_rows_int8<1>(q, b);
+      for (int64_t b = 0; b < n / block; ++b) run_int8_block<1>(q, b, block);
     } else {
 #pragma omp parallel for num_threads(threads) schedule(static)
-      for (int64_t b = 0; b < n / block; ++b) block_all_rows_int8<2>(q, b);
+      for (int64_t b = 0; b < n / block; ++b) run_int8_block<2>(q, b, block);
     }
     return;
   }
@@ -507,7 +620,7 @@ void kiln_int4_mm_experts(const float* x, int64_t rows, int64_t k, const uint8_t
     return reinterpret_cast<const uint16_t*>(bytes);
   };
 #ifdef KILN_INT8_ROWS
-  if ((int8_planes == 1 || int8_planes == 2) && block == 64 && group % CHUNK == 0) {
+  if ((int8_planes == 1 || int8_planes == 2) && int8_block_ok(block) && group % CHUNK == 0) {
     std::vector<kiln_int8_rows::QuantizedRows> quantized;
     std::vector<Int8Problem> problems;
     quantized.reserve(groups);
@@ -518,8 +631,8 @@ void kiln_int4_mm_experts(const float* x, int64_t rows, int64_t k, const uint8_t
                           table_of(g), terms, n, group, out + starts[g] * n});
     }
     kiln_int8_rows::for_each_group_block(groups, n / block, threads, [&](int64_t g, int64_t b) {
-      int8_planes == 1 ? block_all_rows_int8<1>(problems[g], b)
-                       : block_all_rows_int8<2>(problems[g], b);
+      int8_planes == 1 ? run_int8_block<1>(problems[g], b, block)
+                       : run_int8_block<2>(problems[g], b, block);
     });
     return;
   }

@@ -69,31 +69,39 @@ inline __m256i four_bytes(const int8_t* p) {
   return _mm256_set1_epi32(four);
 }
 
-// Row sums for a sub-block of QUADS quads of codes (w[quad][a], codes 0 .. MAX_CODE), the row's
-// planes at x (P planes, `plane_stride` bytes apart): acc[a] lane l the int32 sum of codes times
-// the row's values (the first plane weighted 256 where two are combined). vpmaddubsw adds a
-// lane's two products in 16 bits, and runs of RUN quads are summed in 16 bits before widening:
-// RUN * 2 * MAX_CODE * 127 must fit (rows are int8 in -127..127), so none saturates.
-template <int QUADS, int MAX_CODE, int P>
-inline void sub_sums(const __m256i w[][8], const int8_t* x, int64_t plane_stride, __m256i acc[8]) {
-  constexpr int RUN = 32767 / (2 * MAX_CODE * 127) < QUADS ? 32767 / (2 * MAX_CODE * 127) : QUADS;
-  static_assert(RUN >= 1 && QUADS % RUN == 0, "a run of 16-bit sums must divide the sub-block");
-  const __m256i first = _mm256_set1_epi16(P == 2 ? 256 : 1), ones = _mm256_set1_epi16(1);
-  __m256i xb[P][QUADS];
-  for (int q = 0; q < P; ++q)
-    for (int quad = 0; quad < QUADS; ++quad) xb[q][quad] = four_bytes(x + q * plane_stride + 4 * quad);
-  for (int a = 0; a < 8; ++a) {
+// One plane's row sums over QUADS quads of codes w[quad][v] (codes 0 .. MAX_CODE, V vectors of
+// rows a quad), the plane's bytes of the row at x: acc[v] lane l the int32 sum of the codes times
+// the values. vpmaddubsw adds a lane's two products in 16 bits, and runs of RUN quads are summed
+// in 16 bits before vpmaddwd widens them: RUN * 2 * MAX_CODE * 127 must fit (the planes are int8
+// in -127..127), so none saturates.
+template <int QUADS, int MAX_CODE, int V>
+inline void plane_sums(const __m256i (*w)[V], const int8_t* x, __m256i acc[V]) {
+  constexpr int FIT = 32767 / (2 * MAX_CODE * 127), RUN = FIT < QUADS ? FIT : QUADS;
+  static_assert(RUN >= 1 && QUADS % RUN == 0, "a run of 16-bit sums must divide the quads");
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i xb[QUADS];
+  for (int quad = 0; quad < QUADS; ++quad) xb[quad] = four_bytes(x + 4 * quad);
+  for (int v = 0; v < V; ++v) {
     __m256i sum = _mm256_setzero_si256();
     for (int run = 0; run < QUADS; run += RUN) {
-      __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
-      for (int quad = run; quad < run + RUN; ++quad) {
-        s0 = _mm256_add_epi16(s0, _mm256_maddubs_epi16(w[quad][a], xb[0][quad]));
-        if constexpr (P == 2) s1 = _mm256_add_epi16(s1, _mm256_maddubs_epi16(w[quad][a], xb[P - 1][quad]));
-      }
-      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s0, first));
-      if constexpr (P == 2) sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s1, ones));
+      __m256i s16 = _mm256_setzero_si256();
+      for (int quad = run; quad < run + RUN; ++quad)
+        s16 = _mm256_add_epi16(s16, _mm256_maddubs_epi16(w[quad][v], xb[quad]));
+      sum = _mm256_add_epi32(sum, _mm256_madd_epi16(s16, ones));
     }
-    acc[a] = sum;
+    acc[v] = sum;
+  }
+}
+
+// The row's P planes (`plane_stride` bytes apart) combined as the int8-row kernels combine them:
+// 256 x0 + x1 with two planes (exact in int32), x0 with one
+template <int QUADS, int MAX_CODE, int P>
+inline void sub_sums(const __m256i (*w)[8], const int8_t* x, int64_t plane_stride, __m256i acc[8]) {
+  plane_sums<QUADS, MAX_CODE, 8>(w, x, acc);
+  if constexpr (P == 2) {
+    __m256i rest[8];
+    plane_sums<QUADS, MAX_CODE, 8>(w, x + plane_stride, rest);
+    for (int a = 0; a < 8; ++a) acc[a] = _mm256_add_epi32(_mm256_slli_epi32(acc[a], 8), rest[a]);
   }
 }
 
