@@ -70,6 +70,30 @@ def test_q4_k_is_read_for_either_kernel():
         assert isinstance(on_cpu.planes[0], Int4Codes)
 
 
+@pytest.mark.parametrize(
+    ("kquant_isa", "int4_isa", "stays"),
+    [(2, 2, True), (1, 1, True), (1, 2, False), (1, None, True), (None, 2, False)],
+)
+def test_q4_k_takes_the_k_quant_kernel_where_its_path_is_as_wide(
+    monkeypatch, kquant_isa, int4_isa, stays
+):
+    """AVX512-VNNI (both kernels' widest paths) and AVX2 CPUs keep Q4_K on the K-quant kernel;
+    Skylake and Cascade Lake (AVX-512 without VBMI: the K-quant kernel's AVX2 path beside the int4
+    kernel's AVX-512 float path) make it an int4 plane, as a CPU without the K-quant kernel does."""
+    import kiln.layers.packed as packed
+    from kiln.layers.packed import Int4Codes, for_device
+
+    class Built:
+        def __init__(self, isa):
+            self.isa = isa
+
+    monkeypatch.setattr(packed, "kquant_matmul_kernel", lambda: kquant_isa and Built(kquant_isa))
+    monkeypatch.setattr(packed, "int4_matmul_kernel", lambda: int4_isa and Built(int4_isa))
+    exact = QuantizedTensor("Q4_K", [_random(64, 256, 4)])
+    on_cpu = for_device(exact, CPU)
+    assert (on_cpu is exact) if stays else isinstance(on_cpu.planes[0], Int4Codes)
+
+
 def test_a_hybrid_fused_projection_of_q4_k_and_another_format():
     """The hybrid loader's [qkv; z] of a Q4_K and a Q4_0 half stays quantized as int4 planes; a
     Q4_K and a Q5_K half (no shared form) become dense, each value kept."""

@@ -264,7 +264,7 @@ def test_a_gguf_with_q6_k_and_q5_k_tensors_matches_hf(
     # without (both need the same CPU), the qkv, gate_up and down dequantized
     kernels = q6k_matmul_kernel() is not None
     assert (kquant_matmul_kernel() is not None) == kernels
-    assert kernel_build == "native" or q6k_matmul_kernel().isa == 1
+    assert kernel_build == "native" or q6k_matmul_kernel().isa == kquant_matmul_kernel().isa == 1
     ours, tokens = _greedy_logits(k_quant_mix_gguf, "auto", prompt, tokenizer_dir,
                                   packed_layers=2 * 6 + 2 if kernels else 2 * 1)  # fmt: skip
     with torch.no_grad():
@@ -412,24 +412,45 @@ def test_two_int8_planes_keep_16_bits_of_each_value():
     the float32 one; one plane (int8) is 256 times coarser, and the bound shows it."""
     from kiln.layers.cpu_int4_layout import cpu_dequantize_t
 
-    kernel, block = _int8_builds()[0]
     n, k, group = 256, 1024, 32
-    packed, sz = _random_plane(n, k, group, block)
-    w = cpu_dequantize_t(packed, sz, group, torch.float64, block)
-    x = torch.randn(3, k)
-    exact = x.double() @ w
-    amax = x.view(3, -1, 32).abs().amax(-1).repeat_interleave(32, 1).double()  # [R, K]
-    codes_times_scale = (
-        w - (sz[..., 1].double() - 8 * sz[..., 0].double()).repeat_interleave(group, 0)
-    ).abs()  # |(code) * scale|: the part of w the quantized rows multiply
-    step = amax / 127
-    for planes, half_step in ((2, step / 512), (1, step / 2)):
-        got = kernel.matmul(x, packed, sz, group, block, int8_planes=planes).double()
-        bound = half_step @ codes_times_scale + 1e-6 * (x.double().abs() @ w.abs())
-        assert ((got - exact).abs() <= bound).all()
-    error16 = (kernel.matmul(x, packed, sz, group, block, int8_planes=2).double() - exact).abs()
-    error8 = (kernel.matmul(x, packed, sz, group, block, int8_planes=1).double() - exact).abs()
-    assert error8.mean() > 50 * error16.mean()
+    for kernel, block in _int8_builds():
+        packed, sz = _random_plane(n, k, group, block)
+        w = cpu_dequantize_t(packed, sz, group, torch.float64, block)
+        x = torch.randn(3, k)
+        exact = x.double() @ w
+        amax = x.view(3, -1, 32).abs().amax(-1).repeat_interleave(32, 1).double()  # [R, K]
+        codes_times_scale = (
+            w - (sz[..., 1].double() - 8 * sz[..., 0].double()).repeat_interleave(group, 0)
+        ).abs()  # |(code) * scale|: the part of w the quantized rows multiply
+        step = amax / 127
+        for planes, half_step in ((2, step / 512), (1, step / 2)):
+            got = kernel.matmul(x, packed, sz, group, block, int8_planes=planes).double()
+            bound = half_step @ codes_times_scale + 1e-6 * (x.double().abs() @ w.abs())
+            assert ((got - exact).abs() <= bound).all()
+        error16 = (kernel.matmul(x, packed, sz, group, block, int8_planes=2).double() - exact).abs()
+        error8 = (kernel.matmul(x, packed, sz, group, block, int8_planes=1).double() - exact).abs()
+        assert error8.mean() > 50 * error16.mean()
+
+
+def test_each_int8_builds_grouped_call_equals_a_call_per_expert():
+    """A step's experts in one call on each int8 build and layout (AVX2: blocks of 32 and 64):
+    each group's rows get exactly what that expert's own product gives, with one or two
+    planes; rows of no group are zeros."""
+    from kiln.layers.expert_groups import ExpertGroups
+
+    groups = ExpertGroups(experts=[2, 0], starts=[0, 5], counts=[5, 18])  # 18: past a tile
+    x = torch.randn(24, 512)
+    for kernel, block in _int8_builds():
+        planes = [_random_plane(128, 512, 32, block, terms=1) for _ in range(3)]
+        packed = torch.stack([p for p, _ in planes])
+        table = torch.stack([sz for _, sz in planes])
+        for int8_planes in (1, 2):
+            got = kernel.matmul_experts(x, packed, table, 32, block, groups, None, int8_planes)
+            for e, start, count in zip(groups.experts, groups.starts, groups.counts):
+                alone = kernel.matmul(x[start : start + count], *planes[e], 32, block,
+                                      int8_planes=int8_planes)  # fmt: skip
+                assert torch.equal(got[start : start + count], alone)
+            assert not got[23].any()
 
 
 def test_a_kernel_that_misreads_the_layout_is_not_taken(caplog):

@@ -72,6 +72,11 @@ def _kernel_runs(form: int) -> bool:
     return (q6k_matmul_kernel() if form == Q6K_FORM else kquant_matmul_kernel()) is not None
 
 
+def _kernel_layouts_isa(form: int) -> int:
+    """The vector path of the kernel that runs `form`'s stacks (q6k or K-quant)."""
+    return (q6k_matmul_kernel() if form == Q6K_FORM else kquant_matmul_kernel()).isa
+
+
 @pytest.fixture(params=[True, False], ids=["kernels", "no-kernels"])
 def kernels(request, monkeypatch) -> bool:
     """Whether kiln's Q6_K and K-quant kernels run: as this CPU has them, or (False) as on a
@@ -131,6 +136,8 @@ def test_packed_experts_equal_the_dequantized_experts(kind, dtype, tokens, kerne
     """int4 planes, and Q6_K, Q5_K and Q4_K on kiln's own kernels (exact codes, the rows as two
     int8 planes) where this CPU runs them (test_without_the_kernels_... below: where not), built
     for this CPU and for AVX2 without AVX-512 (`kernel_build`)."""
+    if kernel_build == "avx2" and _kernel_form(kind) is not None:
+        assert _kernel_layouts_isa(_kernel_form(kind)) == 1
     experts, gate_up, down = _experts([kind] * E)
     _assert_stacks(experts, kind, _kernel_form(kind) is None or _kernel_runs(_kernel_form(kind)))
     x, ids, weights = _routing(tokens)
@@ -502,7 +509,7 @@ def test_packed_experts_take_the_rows_as_int8_planes():
 
     kernel = int4_matmul_kernel()
     if kernel is None or not kernel.has_int8_rows:
-        pytest.skip("kiln's int4 kernel has no int8 path here (it needs AVX512-VNNI and VBMI)")
+        pytest.skip("kiln's int4 kernel has no int8 path here (AVX512-VNNI with VBMI, or AVX2)")
     experts, _, _ = _experts(["Q4_0"] * E)
     x, ids, weights = _routing(5)
     floats = experts(x, ids, weights)

@@ -270,7 +270,7 @@ class EngineConfig:
             "int16: two int8 planes per 32 columns, 16 bits of each value (products within "
             "1e-4 of float32's; kiln's kernel 1.6-1.9x faster with VNNI, level on AVX2); "
             "int8: one plane, as llama.cpp's CPU path does (products off by about 1 part in "
-            "100; 2.4-2.9x with VNNI, 1.1-1.25x on AVX2)",
+            "100; 2.4-2.9x with VNNI, 1.1-1.3x on AVX2)",
             choices=("auto", "float", "int16", "int8"),
         ),
     )

@@ -296,7 +296,8 @@ void block_rows_avx2(const Problem& p, int64_t block, int64_t m0, int64_t rows) 
     std::memset(facc, 0, sizeof(float) * BLOCK * rows);
     for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
       for (int64_t ahead = 0; ahead < SUB * 32; ahead += 64) prefetch(low + sub * SUB * 32 + CODES_AHEAD + ahead);
-      if constexpr (BITS == 5) prefetch(high + sub * SUB * 8 + CODES_AHEAD / 4);
+      if constexpr (BITS == 5)
+        for (int64_t ahead = 0; ahead < SUB * 8; ahead += 64) prefetch(high + sub * SUB * 8 + CODES_AHEAD / 4 + ahead);
       __m256i w[QUADS][8];
       sub_codes<BITS>(low + sub * SUB * 32, BITS == 5 ? high + sub * SUB * 8 : nullptr, w);
       __m256 sc[8];

@@ -229,10 +229,11 @@ void block_rows_avx2(const Problem& p, int64_t block, int64_t m0, int64_t rows) 
   alignas(32) float facc[ROW_TILE][BLOCK];
   for (int64_t s = 0; s < p.k / SUPER; ++s) {
     std::memset(facc, 0, sizeof(float) * BLOCK * rows);
+    for (int64_t line = 0; line < 64; line += 16) prefetch(p.d + (s + 1) * p.n + n0 + line);
     for (int64_t sub = s * SUPER / SUB; sub < (s + 1) * SUPER / SUB; ++sub) {
       prefetch(p.sub_scales + (sub + SCALES_AHEAD) * p.n + n0);
       for (int64_t ahead = 0; ahead < SUB * 32; ahead += 64) prefetch(low + sub * SUB * 32 + CODES_AHEAD + ahead);
-      prefetch(high + sub * SUB * 16 + CODES_AHEAD / 2);
+      for (int64_t ahead = 0; ahead < SUB * 16; ahead += 64) prefetch(high + sub * SUB * 16 + CODES_AHEAD / 2 + ahead);
       __m256i w[QUADS][8];
       sub_codes(low + sub * SUB * 32, high + sub * SUB * 16, w);
       __m256 sc[8];
