@@ -142,3 +142,25 @@ def add_mtp_head(source: str, path: str, seed: int = 1) -> str:
         mtp[f"mtp.{norm}.weight"] = (torch.randn(h, generator=g) * 0.1).to(dtype)
     save_file({**tensors, **mtp}, os.path.join(path, "model.safetensors"))
     return path
+
+
+def assert_grouped_calls_equal_calls_alone(builds: list, weights: list, stack_type: type) -> None:
+    """A step's experts in one call on each vector build of a Q6_K or K-quant kernel (`builds`:
+    (name, kernel) pairs; the portable one is skipped): each group's rows get exactly what that
+    expert's own product gives, with one or two planes, one group past the AVX2 path's tile of
+    16 rows; rows of no group are zeros. `weights`: three experts' packed weights."""
+    from kiln.layers.expert_groups import ExpertGroups
+
+    stack = stack_type(*(torch.stack([getattr(w, f) for w in weights])
+                         for f in stack_type.__dataclass_fields__))  # fmt: skip
+    groups = ExpertGroups(experts=[2, 0], starts=[0, 5], counts=[5, 18])
+    x = torch.randn(24, weights[0].low.shape[1] * 2)  # low: [N, K / 2] in both layouts
+    for name, kernel in builds:
+        if name == "portable":
+            continue
+        for planes in (1, 2):
+            got = kernel.matmul_experts(x, stack, groups, torch.float32, planes)
+            for e, start, count in zip(groups.experts, groups.starts, groups.counts, strict=True):
+                alone = kernel.matmul(x[start : start + count], weights[e], torch.float32, planes)
+                assert torch.equal(got[start : start + count], alone)
+            assert not got[23].any()

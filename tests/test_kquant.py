@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.layers.expert_groups import ExpertGroups
 from kiln.layers.int4_kernel import quantized_rows
 from kiln.layers.kquant_kernel import kquant_matmul_kernel, load_kquant_matmul, random_codes
 from kiln.layers.kquant_layout import (
@@ -27,6 +26,7 @@ from kiln.layers.packed_kquant import PackedKQuant
 from kiln.loader.gguf_quant import gguf_codes
 from kiln.native import FLAGS, cpu_flags
 from tests.gguf_files import quantize_q5_k
+from tests.helpers import assert_grouped_calls_equal_calls_alone
 
 CPU = torch.device("cpu")
 
@@ -183,22 +183,9 @@ def test_the_kernel_equals_the_product_by_hand(bits, planes):
 
 @pytest.mark.parametrize("bits", [5, 4])
 def test_each_builds_grouped_call_equals_a_call_per_expert(bits):
-    """A step's experts in one call (the grouped entry, every vector build): each group's rows
-    get exactly what that expert's own product gives; rows of no group are zeros."""
-    packed = [pack_kquant(_random(128, 512, bits, seed=e)) for e in range(3)]
-    stack = KQuantPacked(*(torch.stack([getattr(w, f) for w in packed])
-                           for f in KQuantPacked.__dataclass_fields__))  # fmt: skip
-    groups = ExpertGroups(experts=[2, 0], starts=[0, 5], counts=[5, 18])  # 18: past a tile
-    x = torch.randn(24, 512)
-    for name, kernel in _builds():
-        if name == "portable":
-            continue
-        for planes in (1, 2):
-            got = kernel.matmul_experts(x, stack, groups, torch.float32, planes)
-            for e, start, count in zip(groups.experts, groups.starts, groups.counts):
-                alone = kernel.matmul(x[start : start + count], packed[e], torch.float32, planes)
-                assert torch.equal(got[start : start + count], alone)
-            assert not got[23].any()
+    """The grouped entry on every vector build equals a call per expert, bit for bit."""
+    weights = [pack_kquant(_random(128, 512, bits, seed=e)) for e in range(3)]
+    assert_grouped_calls_equal_calls_alone(_builds(), weights, KQuantPacked)
 
 
 def test_the_kernels_casts_and_dequantization():

@@ -9,7 +9,6 @@ import numpy as np
 import pytest
 import torch
 
-from kiln.layers.expert_groups import ExpertGroups
 from kiln.layers.int4_kernel import quantized_rows
 from kiln.layers.linear import Linear, onednn_runs
 from kiln.layers.packed import DEQUANT_MIN_ROWS, QuantizedTensor
@@ -19,6 +18,7 @@ from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize
 from kiln.loader.gguf_quant import gguf_codes
 from kiln.native import FLAGS, cpu_flags
 from tests.gguf_files import quantize_q6_k
+from tests.helpers import assert_grouped_calls_equal_calls_alone
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(
@@ -97,26 +97,9 @@ def test_the_kernel_equals_the_product_by_hand(planes):
 
 
 def test_each_builds_grouped_call_equals_a_call_per_expert():
-    """A step's experts in one call (the grouped entry, every vector build): each group's rows
-    get exactly what that expert's own product gives; rows of no group are zeros."""
-    stack = Q6KPacked(
-        *(
-            torch.stack([getattr(pack_q6k(_random_codes(128, 512, seed=e)), f) for e in range(3)])
-            for f in Q6KPacked.__dataclass_fields__
-        )
-    )
-    groups = ExpertGroups(experts=[2, 0], starts=[0, 5], counts=[5, 18])  # 18: past a tile
-    x = torch.randn(24, 512)
-    for name, kernel in _builds():
-        if name == "portable":
-            continue
-        for planes in (1, 2):
-            got = kernel.matmul_experts(x, stack, groups, torch.float32, planes)
-            for e, start, count in zip(groups.experts, groups.starts, groups.counts):
-                w = Q6KPacked(*(t[e] for t in vars(stack).values()))
-                alone = kernel.matmul(x[start : start + count], w, torch.float32, planes)
-                assert torch.equal(got[start : start + count], alone)
-            assert not got[23].any()
+    """The grouped entry on every vector build equals a call per expert, bit for bit."""
+    weights = [pack_q6k(_random_codes(128, 512, seed=e)) for e in range(3)]
+    assert_grouped_calls_equal_calls_alone(_builds(), weights, Q6KPacked)
 
 
 def test_the_kernels_casts_and_dequantization():
