@@ -35,10 +35,10 @@ from kiln.layers.kquant_layout import pack_kquant
 from kiln.layers.linear import onednn_linear, prepack_for_cpu
 from kiln.layers.packed import QuantizedTensor, as_int4_plane, pack_plane
 from kiln.layers.q6k_kernel import load_q6k_matmul, q6k_matmul_kernel, random_q6k
-from kiln.native import FLAGS, cpu_flags
+from kiln.native import AVX2_FLAGS as AVX2
+from kiln.native import runs_avx2
 
 CPU = torch.device("cpu")
-AVX2 = (*(f for f in FLAGS if f != "-march=native"), "-mavx2", "-mfma")
 
 # (rows, columns, copies): each copied enough that the copies exceed the cache
 SHAPES = {"gate_up 16384x2048": (16384, 2048, 2), "down 2048x8192": (2048, 8192, 8),
@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=10, help="calls of each copy a measurement")
     parser.add_argument("--shapes", nargs="+", choices=list(SHAPES), default=list(SHAPES))
     args = parser.parse_args()
-    if not {"avx2", "fma"} <= set(cpu_flags().split()):
+    if not runs_avx2():
         raise SystemExit("this CPU has no AVX2 with FMA")
     g = torch.Generator().manual_seed(0)
     for name in args.shapes:

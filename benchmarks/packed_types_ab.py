@@ -73,9 +73,8 @@ def boot(
 
 def build_kernels_for_avx2() -> None:
     """Every kiln kernel of this process built as for a CPU with AVX2 and FMA only."""
-    flags = (*(f for f in native.FLAGS if f != "-march=native"), "-mavx2", "-mfma")
     for module in (int4_kernel, q6k_kernel, kquant_kernel, bf16_kernel, cpu_kernel):
-        module.FLAGS = flags
+        module.FLAGS = native.AVX2_FLAGS
 
 
 def _int4_experts_only(t, device):

@@ -25,6 +25,10 @@ from kiln.paths import kiln_cache_dir, process_umask
 logger = logging.getLogger(__name__)
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+# Builds for a lesser CPU than this one, as tests and benchmarks make them: the portable loops,
+# and AVX2 with FMA (the vector paths of x86 CPUs without AVX-512)
+PORTABLE_FLAGS = tuple(f for f in FLAGS if f != "-march=native")
+AVX2_FLAGS = (*PORTABLE_FLAGS, "-mavx2", "-mfma")
 Kernel = TypeVar("Kernel")
 
 
@@ -122,6 +126,11 @@ def _compiler() -> str:
         if name and shutil.which(name):
             return name
     raise RuntimeError("no C++ compiler found (looked for $CXX, g++, c++, clang++)")
+
+
+def runs_avx2() -> bool:
+    """Whether this CPU runs an AVX2_FLAGS build (AVX2 and FMA)."""
+    return {"avx2", "fma"} <= set(cpu_flags().split())
 
 
 def cpu_flags() -> str:

@@ -358,9 +358,9 @@ def kernel_build(request, monkeypatch):
     if request.param == "native":
         yield request.param
         return
-    if not {"avx2", "fma"} <= set(native.cpu_flags().split()):
+    if not native.runs_avx2():
         pytest.skip("this CPU has no AVX2 with FMA")
-    flags = (*(f for f in native.FLAGS if f != "-march=native"), "-mavx2", "-mfma")
+    flags = native.AVX2_FLAGS
     factories = [int4_kernel.int4_matmul_kernel, kquant_kernel.kquant_matmul_kernel,
                  q6k_kernel.q6k_matmul_kernel]  # fmt: skip
     for module in (int4_kernel, kquant_kernel, q6k_kernel):

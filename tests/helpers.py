@@ -164,3 +164,17 @@ def assert_grouped_calls_equal_calls_alone(builds: list, weights: list, stack_ty
                 alone = kernel.matmul(x[start : start + count], weights[e], torch.float32, planes)
                 assert torch.equal(got[start : start + count], alone)
             assert not got[23].any()
+
+
+def kernel_builds(load, engine_kernel) -> list:
+    """(name, kernel) for a Q6_K or K-quant kernel (`load(flags)`, `engine_kernel()`): the
+    portable loops, the AVX2 path (the path of CPUs without AVX512-VNNI and VBMI) where this CPU
+    runs it, and the engine's build where it has a vector path."""
+    from kiln.native import AVX2_FLAGS, PORTABLE_FLAGS, runs_avx2
+
+    out = [("portable", load(PORTABLE_FLAGS))]
+    if runs_avx2():
+        out.append(("avx2", load(AVX2_FLAGS)))
+    if engine_kernel() is not None:
+        out.append(("native", engine_kernel()))
+    return out

@@ -24,9 +24,8 @@ from kiln.layers.linear import Linear
 from kiln.layers.packed import DEQUANT_MIN_ROWS, QuantizedTensor
 from kiln.layers.packed_kquant import PackedKQuant
 from kiln.loader.gguf_quant import gguf_codes
-from kiln.native import FLAGS, cpu_flags
 from tests.gguf_files import quantize_q5_k
-from tests.helpers import assert_grouped_calls_equal_calls_alone
+from tests.helpers import assert_grouped_calls_equal_calls_alone, kernel_builds
 
 CPU = torch.device("cpu")
 
@@ -143,16 +142,7 @@ def test_the_layout_keeps_every_code():
 
 
 def _builds() -> list:
-    """(name, kernel): the portable loops, the AVX2 path (built with -mavx2 -mfma where the CPU
-    has both: the path of CPUs without AVX512-VNNI and VBMI) and the engine's build where it has
-    a vector path."""
-    generic = tuple(f for f in FLAGS if f != "-march=native")
-    out = [("portable", load_kquant_matmul(generic))]
-    if {"avx2", "fma"} <= set(cpu_flags().split()):
-        out.append(("avx2", load_kquant_matmul((*generic, "-mavx2", "-mfma"))))
-    if kquant_matmul_kernel() is not None:
-        out.append(("native", kquant_matmul_kernel()))
-    return out
+    return kernel_builds(load_kquant_matmul, kquant_matmul_kernel)
 
 
 @pytest.mark.parametrize("bits", [5, 4])

@@ -361,9 +361,8 @@ def _int8_builds() -> list:
     from kiln.layers.int4_kernel import int4_matmul_kernel, load_int4_matmul
 
     kernels = [int4_matmul_kernel()]
-    if {"avx2", "fma"} <= set(native.cpu_flags().split()):
-        generic = tuple(f for f in native.FLAGS if f != "-march=native")
-        kernels.append(load_int4_matmul((*generic, "-mavx2", "-mfma")))
+    if native.runs_avx2():
+        kernels.append(load_int4_matmul(native.AVX2_FLAGS))
     builds = [
         (kernel, block) for kernel in kernels if kernel is not None for block in kernel.int8_blocks
     ]
@@ -494,9 +493,8 @@ def test_packed_activations_choose_the_rows_planes(monkeypatch, caplog):
     model = _packed_module()
     native_kernel = cpu_linears.int4_matmul_kernel()
     kernels = [native_kernel]
-    if {"avx2", "fma"} <= set(native.cpu_flags().split()):
-        generic = tuple(f for f in native.FLAGS if f != "-march=native")
-        kernels.append(load_int4_matmul((*generic, "-mavx2", "-mfma")))
+    if native.runs_avx2():
+        kernels.append(load_int4_matmul(native.AVX2_FLAGS))
     for kernel in kernels:
         if kernel is None or not kernel.int8_rows_for(cpu_linears.cpu_block_n()):
             continue

@@ -16,9 +16,8 @@ from kiln.layers.packed_q6k import PackedQ6K
 from kiln.layers.q6k_kernel import load_q6k_matmul, q6k_matmul_kernel
 from kiln.layers.q6k_layout import Q6KCodes, Q6KPacked, pack_q6k, q6k_dequantize, q6k_rows
 from kiln.loader.gguf_quant import gguf_codes
-from kiln.native import FLAGS, cpu_flags
 from tests.gguf_files import quantize_q6_k
-from tests.helpers import assert_grouped_calls_equal_calls_alone
+from tests.helpers import assert_grouped_calls_equal_calls_alone, kernel_builds
 
 CPU = torch.device("cpu")
 needs_kernel = pytest.mark.skipif(
@@ -59,16 +58,7 @@ def test_the_loader_reads_q6_k_blocks_exactly():
 
 
 def _builds() -> list:
-    """(name, kernel): the portable loops, the AVX2 path (built with -mavx2 -mfma where the CPU
-    has both: the path of CPUs without AVX512-VNNI and VBMI) and the engine's build where it has
-    a vector path."""
-    generic = tuple(f for f in FLAGS if f != "-march=native")
-    out = [("portable", load_q6k_matmul(generic))]
-    if {"avx2", "fma"} <= set(cpu_flags().split()):
-        out.append(("avx2", load_q6k_matmul((*generic, "-mavx2", "-mfma"))))
-    if q6k_matmul_kernel() is not None:
-        out.append(("native", q6k_matmul_kernel()))
-    return out
+    return kernel_builds(load_q6k_matmul, q6k_matmul_kernel)
 
 
 @pytest.mark.parametrize("planes", [1, 2])
